@@ -1,0 +1,57 @@
+"""The one interface every detector has (river's habit, vectorised for throughput).
+
+A detector watches one series. ``score(values)`` is pure: an array in [0, 1], higher is more
+anomalous, warm-up points score 0. ``learn(values)`` updates state. ``update(values)`` scores each
+point against the state before it and then learns it, in order, and is the only call stream code
+makes. ``threshold`` turns scores into decisions; detectors never alert (policies do).
+State round-trips through ``state_dict()`` / ``from_state()`` as JSON-able numbers, so it fits a
+Faust table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+
+class Detector(ABC):
+    #: Name used in alert keys and rule files.
+    name: str = ""
+    #: Scores at or above this are anomalies.
+    threshold: float = 0.5
+    #: Severity of alerts raised from this detector's decisions.
+    severity: str = "warning"
+
+    @abstractmethod
+    def score(self, values: np.ndarray) -> np.ndarray:
+        """Score each value against the current state, without changing it."""
+
+    @abstractmethod
+    def learn(self, values: np.ndarray) -> None:
+        """Fold the values into the state."""
+
+    def update(self, values: np.ndarray) -> np.ndarray:
+        """Score each point against everything before it, then learn it."""
+        values = np.asarray(values, dtype=np.float64)
+        scores = np.empty(len(values))
+        for i in range(len(values)):
+            scores[i] = self.score(values[i : i + 1])[0]
+            self.learn(values[i : i + 1])
+        return scores
+
+    def decide(self, scores: np.ndarray) -> np.ndarray:
+        return np.asarray(scores) >= self.threshold
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Constructor parameters and learned state, JSON-able."""
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Detector:
+        return cls(**state)
+
+    def __repr__(self) -> str:
+        params = {k: v for k, v in self.state_dict().items() if not isinstance(v, list)}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in params.items())})"

@@ -1,0 +1,107 @@
+"""Everything the telemetry flow does to one batch, as a pure function of (state, batch).
+
+One ``RankState`` per (run, rank) holds the dedup cursor, each metric's detectors, alert conditions
+and open rollup window. It serialises to one JSON-able dict, which the Faust flow keeps in a table
+keyed like the telemetry topic, so state and stream share partitions and one writer owns each key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rankwatch.contract import Alert, Rollup, TelemetryBatch
+from stream_processors.detectors import Detector, NonFinite, RobustSpike
+from stream_processors.policies import AlertPolicy, Condition
+from stream_processors.windows import Window, roll
+
+DETECTORS: dict[str, type[Detector]] = {"nonfinite": NonFinite, "spike": RobustSpike}
+
+
+def default_detectors(metric: str) -> dict[str, Detector]:
+    """Which detectors watch a metric that has no state yet (rule files come later)."""
+    return {"nonfinite": NonFinite(), "spike": RobustSpike()}
+
+
+@dataclass
+class MetricState:
+    detectors: dict[str, Detector]
+    conditions: dict[str, Condition] = field(default_factory=dict)
+    window: Window | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "detectors": {name: d.state_dict() for name, d in self.detectors.items()},
+            "conditions": {name: c.to_dict() for name, c in self.conditions.items()},
+            "window": self.window.to_dict() if self.window else None,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MetricState:
+        return cls(
+            detectors={name: DETECTORS[name].from_state(s) for name, s in d["detectors"].items()},
+            conditions={name: Condition(**c) for name, c in d["conditions"].items()},
+            window=Window.from_dict(d["window"]) if d["window"] else None,
+        )
+
+
+@dataclass
+class RankState:
+    producer: str = ""
+    seq: int = -1
+    metrics: dict[str, MetricState] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"producer": self.producer, "seq": self.seq, "metrics": {m: s.to_dict() for m, s in self.metrics.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> RankState:
+        if not d:
+            return cls()
+        return cls(d["producer"], d["seq"], {m: MetricState.from_dict(s) for m, s in d["metrics"].items()})
+
+
+@dataclass(frozen=True)
+class Output:
+    alerts: list[Alert]
+    rollups: list[Rollup]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TelemetryProcessor:
+    rollup_steps: int = 50
+    policy: AlertPolicy = AlertPolicy()
+    detectors_for: Callable[[str], dict[str, Detector]] = default_detectors
+
+    def is_replay(self, state: RankState, batch: TelemetryBatch) -> bool:
+        """At-least-once delivery replays messages; a seq we already applied changes nothing.
+
+        A new ``producer`` id is a restarted rank whose numbering starts again, never a replay.
+        """
+        return batch.producer == state.producer and batch.seq <= state.seq
+
+    def process(self, state: RankState, batch: TelemetryBatch, now: float) -> Output:
+        """Apply one batch to ``state`` in place; return the alerts and closed rollups it produced."""
+        alerts: list[Alert] = []
+        rollups: list[Rollup] = []
+        if self.is_replay(state, batch):
+            return Output(alerts, rollups)
+        state.producer, state.seq = batch.producer, batch.seq
+        for metric, series in batch.series.items():
+            ms = state.metrics.get(metric)
+            if ms is None:
+                ms = state.metrics[metric] = MetricState(detectors=self.detectors_for(metric))
+            for name, detector in ms.detectors.items():
+                scores = detector.update(series.values)
+                alerts += self.policy.apply(
+                    ms.conditions.setdefault(name, Condition()),
+                    run=batch.run, rank=batch.rank, metric=metric, detector=name,
+                    severity=detector.severity, steps=series.steps, values=series.values,
+                    scores=scores, anomalous=detector.decide(scores), now=now,
+                )
+            ms.window, closed = roll(ms.window, series.steps, series.values, self.rollup_steps)
+            rollups += [
+                w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now)
+                for w in closed
+            ]
+        return Output(alerts, rollups)

@@ -1,0 +1,85 @@
+"""Step-window rollups as sufficient statistics (count, mean, M2, min, max), never lists of points.
+
+Windows are tumbling in training steps, ``[k*W, (k+1)*W)``: steps, not seconds, are what people
+compare across ranks and runs. A window closes when a later window's first point arrives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from rankwatch.contract import Rollup
+
+
+@dataclass
+class Window:
+    index: int
+    count: int = 0
+    nonfinite: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+    last: float = math.nan
+
+    def add(self, values: np.ndarray) -> None:
+        """Merge a block of values (Chan et al.'s parallel update: one pass, numerically stable)."""
+        finite = values[np.isfinite(values)]
+        self.nonfinite += len(values) - len(finite)
+        if len(values):
+            self.last = float(values[-1])
+        n = len(finite)
+        if not n:
+            return
+        b_mean = float(finite.mean())
+        b_m2 = float(((finite - b_mean) ** 2).sum())
+        total = self.count + n
+        delta = b_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += b_m2 + delta * delta * self.count * n / total
+        self.count = total
+        self.min = min(self.min, float(finite.min()))
+        self.max = max(self.max, float(finite.max()))
+
+    def to_rollup(self, *, run: str, rank: int, metric: str, width: int, now: float) -> Rollup:
+        std = math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0
+        empty = self.count == 0
+        return Rollup(
+            run=run, rank=rank, metric=metric,
+            start_step=self.index * width, end_step=(self.index + 1) * width,
+            count=self.count, nonfinite=self.nonfinite,
+            mean=math.nan if empty else self.mean, std=std,
+            min=math.nan if empty else self.min, max=math.nan if empty else self.max,
+            last=self.last, ts=now,
+        )
+
+    def to_dict(self) -> dict:
+        return {k: (v if not isinstance(v, float) or math.isfinite(v) else repr(v)) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Window:
+        return cls(**{k: float(v) if isinstance(v, str) else v for k, v in d.items()})
+
+
+def roll(window: Window | None, steps: np.ndarray, values: np.ndarray, width: int) -> tuple[Window | None, list[Window]]:
+    """Add points to the open window; return the new open window and the windows that closed."""
+    closed: list[Window] = []
+    if not len(steps):
+        return window, closed
+    index = steps // width
+    # Points arrive in step order within a rank; split where the window index changes.
+    cuts = np.flatnonzero(np.diff(index)) + 1
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(steps)]):
+        k = int(index[lo])
+        if window is not None and k != window.index:
+            if k < window.index:
+                continue  # a late point of a window already closed: its rollup is out
+            closed.append(window)
+            window = None
+        if window is None:
+            window = Window(index=k)
+        window.add(values[lo:hi])
+    return window, closed
