@@ -66,13 +66,8 @@ def _dumps(obj: Mapping[str, Any]) -> bytes:
 
 
 def _loads(data: bytes, kind: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise SchemaError(f"not UTF-8 JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise SchemaError(f"expected a JSON object, got {type(obj).__name__}")
-    if obj.get("schema") != SCHEMA_VERSION:
+    obj = decode_any(data)
+    if type(obj.get("schema")) is not int or obj["schema"] != SCHEMA_VERSION:
         raise SchemaError(f"unsupported schema version {obj.get('schema')!r} (this is {SCHEMA_VERSION})")
     if obj.get("kind") != kind:
         raise SchemaError(f"expected kind {kind!r}, got {obj.get('kind')!r}")
@@ -90,6 +85,17 @@ def _field(obj: Mapping[str, Any], name: str, types: type | tuple[type, ...], *,
     if not isinstance(value, types):
         raise SchemaError(f"field {name!r} must be {getattr(types, '__name__', types)}, got {type(value).__name__}")
     return value
+
+
+def _float_field(obj: Mapping[str, Any], name: str, default: float | None = None) -> float:
+    if name not in obj:
+        if default is not None:
+            return default
+        raise SchemaError(f"missing field {name!r}")
+    try:
+        return decode_float(obj[name])
+    except SchemaError as exc:
+        raise SchemaError(f"field {name!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -217,11 +223,11 @@ class Alert:
             metric=_field(obj, "metric", str),
             rank=_field(obj, "rank", int, nullable=True),
             step=_field(obj, "step", int),
-            value=decode_float(obj.get("value")),
+            value=_float_field(obj, "value"),
             message=_field(obj, "message", str),
             ts=float(_field(obj, "ts", (int, float))),
-            score=float(obj.get("score", 1.0)),
-            incident=int(obj.get("incident", 0)),
+            score=_float_field(obj, "score", 1.0),
+            incident=_field(obj, "incident", int) if "incident" in obj else 0,
         )
 
 
@@ -255,9 +261,8 @@ class Rollup:
         floats = {"mean", "std", "min", "max", "last"}
         kwargs = {}
         for name in cls.__dataclass_fields__:
-            value = obj.get(name)
             if name in floats:
-                kwargs[name] = decode_float(value)
+                kwargs[name] = _float_field(obj, name)
             elif name == "ts":
                 kwargs[name] = float(_field(obj, name, (int, float)))
             else:
@@ -300,17 +305,24 @@ class DeadLetter:
             topic=_field(obj, "topic", str),
             partition=_field(obj, "partition", int),
             offset=_field(obj, "offset", int),
-            payload=base64.b64decode(_field(obj, "payload_b64", str)),
+            payload=_b64(_field(obj, "payload_b64", str)),
             ts=float(_field(obj, "ts", (int, float))),
         )
 
 
-def decode_any(data: bytes) -> dict[str, Any]:
-    """Any rankwatch event as a plain dict (for display tools); raises SchemaError on non-JSON."""
+def _b64(text: str) -> bytes:
     try:
-        obj = json.loads(data)
+        return base64.b64decode(text, validate=True)
+    except ValueError as exc:  # binascii.Error
+        raise SchemaError(f"field 'payload_b64' is not base64: {exc}") from None
+
+
+def decode_any(data: bytes) -> dict[str, Any]:
+    """Any rankwatch event as a plain dict (for display tools); raises SchemaError unless a UTF-8 JSON object."""
+    try:
+        obj = json.loads(data.decode("utf-8"))  # json.loads(bytes) would also guess UTF-16/32
     except (UnicodeDecodeError, ValueError) as exc:
         raise SchemaError(f"not UTF-8 JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise SchemaError("expected a JSON object")
+        raise SchemaError(f"expected a JSON object, got {type(obj).__name__}")
     return obj

@@ -18,8 +18,14 @@ from stream_processors.windows import Window, roll
 DETECTORS: dict[str, type[Detector]] = {"nonfinite": NonFinite, "spike": RobustSpike}
 
 
+#: Suffixes of 0/1 flag metrics: a flag's flip is its own signal, a spike test on it only echoes it.
+FLAG_SUFFIXES = ("_nonfinite", "_flag", "_skipped")
+
+
 def default_detectors(metric: str) -> dict[str, Detector]:
     """Which detectors watch a metric that has no state yet (rule files come later)."""
+    if metric.endswith(FLAG_SUFFIXES):
+        return {"nonfinite": NonFinite()}
     return {"nonfinite": NonFinite(), "spike": RobustSpike()}
 
 
@@ -53,6 +59,8 @@ class RankState:
 
     def to_dict(self) -> dict:
         return {"producer": self.producer, "seq": self.seq, "metrics": {m: s.to_dict() for m, s in self.metrics.items()}}
+
+    __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
 
     @classmethod
     def from_dict(cls, d: dict | None) -> RankState:

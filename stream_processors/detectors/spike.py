@@ -61,8 +61,10 @@ class RobustSpike(Detector):
         values = np.asarray(values, dtype=np.float64)
         if len(self.history) < self.warmup:
             return np.zeros(len(values))
-        z = np.nan_to_num(self._z(values), nan=0.0, posinf=0.0, neginf=0.0)
-        scores = 2.0 * ndtr(np.abs(z) / self.z_scale) - 1.0
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            z = self._z(values)  # a zero scale (min_scale=0, flat history) gives ±inf or 0/0
+        z = np.nan_to_num(z, nan=0.0, posinf=np.inf, neginf=-np.inf)
+        scores = 2.0 * ndtr(np.abs(z) / self.z_scale) - 1.0  # ndtr(inf) = 1: the biggest spikes score 1
         scores[~np.isfinite(values)] = 0.0
         return scores
 

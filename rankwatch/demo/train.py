@@ -1,0 +1,72 @@
+"""One rank of the demo: data-parallel training (torch DDP over gloo, CPU) on scikit-learn's digits.
+
+Run by ``rankwatch demo`` as a separate process per rank. At ``--nan-step`` rank ``--nan-rank``
+feeds a batch with a NaN pixel, as a corrupt shard would: its loss turns NaN, the all-reduce spreads
+NaN gradients to every rank, and rankwatch should say so within a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def load_digits_split(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target)
+    return x[rank::world_size], y[rank::world_size]  # every sample on exactly one rank
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--nan-step", type=int, default=-1)
+    ap.add_argument("--nan-rank", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=32)
+    args = ap.parse_args(argv)
+
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+    from producers import RankPublisher, TrainerHook
+
+    x, y = load_digits_split(rank, world)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    publisher = RankPublisher(run=args.run, bootstrap=args.bootstrap)  # rank/world from torch.distributed
+    hook = TrainerHook(model, opt, publisher)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        idx = torch.randint(len(x), (args.batch_size,), generator=g)
+        xb, yb = x[idx], y[idx]
+        if step == args.nan_step and rank == args.nan_rank:
+            xb = xb.clone()
+            xb[0, 0] = float("nan")
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        hook.set_loss(loss)
+        opt.step()
+        if rank == 0 and (step + 1) % 50 == 0:
+            print(f"  rank 0: step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
+    publisher.close()
+    stats = publisher.stats()
+    if stats.dropped or stats.failed:
+        print(f"  rank {rank}: {stats.dropped} dropped, {stats.failed} failed batches", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

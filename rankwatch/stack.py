@@ -1,0 +1,122 @@
+"""Bring up and tear down a local rankwatch: the embedded broker (optional) and Faust workers.
+
+Workers run as child processes (``python -m rankwatch worker``) in their own sessions, so Ctrl-C
+reaches only us and we stop things in order: workers first (they commit and leave), broker last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+from rankwatch.admin import ensure_topics
+from rankwatch.broker import EmbeddedBroker
+from rankwatch.errors import RankwatchError
+from rankwatch.settings import Settings
+
+READY_LINE = "rankwatch worker ready"  # printed by stream_processors.worker; kept in sync by a test
+
+
+class WorkerProcess:
+    def __init__(self, settings: Settings, index: int, *, echo: Callable[[str], None] | None, env: dict[str, str]):
+        self.index = index
+        self.ready = threading.Event()
+        self.tail: deque[str] = deque(maxlen=40)
+        self._echo = echo
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", "worker", "--bootstrap", settings.bootstrap],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._pump, daemon=True, name=f"worker-{index}-output").start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip()
+            self.tail.append(line)
+            if READY_LINE in line:
+                self.ready.set()
+            if self._echo:
+                self._echo(f"[worker-{self.index}] {line}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Stack:
+    """``with Stack(settings, embedded=True) as stack:`` gives a running broker and workers."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        embedded: bool,
+        port: int = 9092,
+        workers: int = 1,
+        echo: Callable[[str], None] | None = None,
+        ready_timeout_s: float = 90.0,
+    ):
+        self.settings, self.embedded, self.port = settings, embedded, port
+        self.n_workers, self.echo, self.ready_timeout_s = workers, echo, ready_timeout_s
+        self.broker: EmbeddedBroker | None = None
+        self.workers: list[WorkerProcess] = []
+
+    @property
+    def bootstrap(self) -> str:
+        return self.settings.bootstrap
+
+    def start(self) -> Stack:
+        try:
+            if self.embedded:
+                log_path = Path(self.settings.data_dir) / "broker.log"
+                self.broker = EmbeddedBroker(port=self.port, log_path=log_path).start()
+                self.settings = self.settings.with_(bootstrap=self.broker.bootstrap, broker_flavor="tansu")
+            ensure_topics(self.settings.bootstrap, self.settings.partitions)
+            env = dict(os.environ, RANKWATCH_BROKER_FLAVOR=self.settings.broker_flavor,
+                       RANKWATCH_PARTITIONS=str(self.settings.partitions), RANKWATCH_DATA_DIR=self.settings.data_dir,
+                       RANKWATCH_APP_ID=self.settings.app_id, RANKWATCH_ROLLUP_STEPS=str(self.settings.rollup_steps))
+            self.workers = [WorkerProcess(self.settings, i, echo=self.echo, env=env) for i in range(self.n_workers)]
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> None:
+        for w in self.workers:
+            remaining = self.ready_timeout_s
+            while not w.ready.wait(0.2):
+                remaining -= 0.2
+                if w.proc.poll() is not None or remaining <= 0:
+                    why = f"exited with code {w.proc.returncode}" if w.proc.poll() is not None else "was not ready in time"
+                    raise RankwatchError(f"worker {w.index} {why}; its last output:\n" + "\n".join(w.tail))
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.workers = []
+        if self.broker:
+            self.broker.stop()
+            self.broker = None
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

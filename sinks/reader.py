@@ -1,0 +1,62 @@
+"""Read a rankwatch topic with a plain kafka-python consumer (manual assignment, no group).
+
+"Caught up" is judged against the high watermark that Fetch responses carry, not ListOffsets,
+which the embedded broker answers wrongly; that check is right on every broker.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+
+from rankwatch.admin import ensure_topics
+
+
+def read_topic(
+    bootstrap: str,
+    topic: str,
+    *,
+    follow: bool = False,
+    from_beginning: bool = True,
+    poll_ms: int = 100,
+    stop_after_s: float | None = None,
+) -> Iterator[ConsumerRecord]:
+    """Yield the topic's records in per-partition order; stop when caught up unless ``follow``."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest" if from_beginning else "latest",
+        fetch_max_wait_ms=50,  # a reader is interactive; on Tansu this also bounds the added latency
+        client_id="rankwatch-reader",
+    )
+    try:
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            ensure_topics(bootstrap, 1, (topic,))  # rankwatch topics only; callers validate the name
+            partitions = consumer.partitions_for_topic(topic) or {0}
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        if from_beginning:
+            consumer.seek_to_beginning(*tps)
+        else:
+            consumer.seek_to_end(*tps)
+        deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
+        while deadline is None or time.monotonic() < deadline:
+            got = consumer.poll(timeout_ms=poll_ms)
+            for tp in tps:
+                yield from got.get(tp, ())
+            if not follow and not got and _caught_up(consumer, tps):
+                return
+    finally:
+        consumer.close()
+
+
+def _caught_up(consumer: KafkaConsumer, tps: list[TopicPartition]) -> bool:
+    for tp in tps:
+        high = consumer.highwater(tp)
+        if high is None or consumer.position(tp) < high:
+            return False
+    return True

@@ -1,0 +1,40 @@
+"""Alerts for people: one line each, coloured by severity when the output is a terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import TextIO
+
+from rankwatch.contract import Alert
+
+_COLOURS = {"critical": "\033[1;31m", "warning": "\033[33m", "info": "\033[36m"}
+_RESET = "\033[0m"
+
+
+def format_alert(alert: Alert, *, colour: bool = False) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(alert.ts))
+    severity = alert.severity.upper()
+    if colour:
+        severity = f"{_COLOURS.get(alert.severity, '')}{severity}{_RESET}"
+    rank = "all" if alert.rank is None else alert.rank
+    return (
+        f"{when} {severity:<8} {alert.status:<8} run={alert.run} rank={rank} step={alert.step} "
+        f"{alert.detector}/{alert.metric}: {alert.message}"
+    )
+
+
+class TerminalSink:
+    """Writes each alert as a line (or as its JSON with ``as_json``)."""
+
+    def __init__(self, out: TextIO = sys.stdout, *, as_json: bool = False):
+        self.out, self.as_json = out, as_json
+        self.colour = not as_json and out.isatty()
+
+    def add(self, alert: Alert) -> None:
+        line = json.dumps(alert.to_dict()) if self.as_json else format_alert(alert, colour=self.colour)
+        self.out.write(line + "\n")
+
+    def flush(self) -> None:
+        self.out.flush()

@@ -1,0 +1,41 @@
+"""The Faust app: settings in, app out. Flows are registered by ``flows.register``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faust
+
+from rankwatch.settings import Settings
+
+
+def make_app(settings: Settings, *, flavor: str, partitions: int) -> faust.App:
+    """A Faust app for ``settings``; ``flavor`` is the resolved broker kind ("kafka" or "tansu").
+
+    ``partitions`` must equal the telemetry topic's partition count: Faust co-partitions the state
+    table with the stream it is updated from.
+    """
+    from stream_processors import flows  # flows import the app's topics; keep make_app importable alone
+
+    extra = {}
+    scheme = "kafka"
+    if flavor == "tansu":
+        from stream_processors import tansu
+
+        extra, scheme = dict(tansu.APP_SETTINGS), "tansu"
+    datadir = Path(settings.data_dir) / "faust"
+    datadir.parent.mkdir(parents=True, exist_ok=True)
+    app = faust.App(
+        settings.app_id,
+        broker=[f"{scheme}://{server}" for server in settings.bootstrap.split(",")],
+        store="memory://",
+        datadir=str(datadir),
+        topic_partitions=partitions,
+        # A new monitor reads what ranks published before it started; replays are dropped by seq.
+        consumer_auto_offset_reset="earliest",
+        web_enabled=False,
+        producer_linger=0.005,
+        **extra,
+    )
+    flows.register(app, settings)
+    return app

@@ -1,0 +1,203 @@
+"""Conformance checks every detector must pass (style guide, item 14).
+
+Each check is a plain function ``check_x(factory, data)``: ``factory()`` builds a fresh detector,
+``data`` is a :class:`Data` with normal points for that detector and one unmistakable spike.
+``tests/test_detectors.py`` crosses every class in ``stream_processors.detectors.__all__`` with
+every function in :data:`CHECKS`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from stream_processors.detectors import Detector
+
+Factory = Callable[[], Detector]
+
+_MUTABLE = (list, dict, set, bytearray, np.ndarray)
+
+
+@dataclass(frozen=True)
+class Data:
+    """Points for one detector: ``normal`` is long enough to pass warm-up twice over, ``spike`` is
+    a value the detector must score as anomalous once warmed up (NaN for a non-finite detector)."""
+
+    normal: np.ndarray
+    spike: float
+
+    @property
+    def with_spike(self) -> np.ndarray:
+        """Normal points with the spike in the middle of the second half, plus every non-finite kind."""
+        n = len(self.normal)
+        at = (3 * n) // 4
+        return np.r_[self.normal[:at], self.spike, self.normal[at:], np.nan, np.inf, -np.inf]
+
+
+def _readonly(values: np.ndarray) -> np.ndarray:
+    out = np.array(values, dtype=np.float64, copy=True)
+    out.setflags(write=False)
+    return out
+
+
+def _state(detector: Detector) -> str:
+    """The state as canonical strict JSON, so two states compare as strings."""
+    return json.dumps(detector.state_dict(), sort_keys=True, allow_nan=False)
+
+
+def _warmup(detector: Detector) -> int:
+    return int(getattr(detector, "warmup", 0))
+
+
+def check_score_is_pure(factory: Factory, data: Data) -> None:
+    """``score`` changes no state, repeats itself, and scores each point independently of its batch."""
+    d = factory()
+    d.learn(_readonly(data.normal[: len(data.normal) // 2]))
+    before = _state(d)
+    x = _readonly(data.with_spike)
+    first = d.score(x)
+    second = d.score(x)
+    assert _state(d) == before, "score() changed the detector's state"
+    np.testing.assert_array_equal(first, second)
+    one_by_one = np.array([d.score(x[i : i + 1])[0] for i in range(len(x))])
+    np.testing.assert_array_equal(first, one_by_one)
+    assert _state(d) == before
+
+
+def check_scores_finite_in_unit_interval(factory: Factory, data: Data) -> None:
+    """Scores, from ``score`` and ``update``, are finite floats in [0, 1], one per point, even for NaN/inf."""
+    x = _readonly(data.with_spike)
+    for scores in (factory().score(x), factory().update(x)):
+        scores = np.asarray(scores)
+        assert scores.shape == x.shape
+        assert np.all(np.isfinite(scores)), scores
+        assert np.all((scores >= 0.0) & (scores <= 1.0)), scores
+
+
+def check_inputs_untouched(factory: Factory, data: Data) -> None:
+    """No method writes to the array it was given (read-only inputs would raise) or keeps a view of it."""
+    x = data.with_spike.copy()
+    expected = x.copy()
+    d = factory()
+    ro = _readonly(x)
+    d.learn(ro)
+    d.score(ro)
+    d.update(ro)
+    d.decide(d.score(ro))
+    d.update(x)
+    np.testing.assert_array_equal(x, expected)
+    state = _state(d)
+    x[:] = 123.0  # a detector that kept a view of its input would see this
+    assert _state(d) == state, "the detector's state aliases its input"
+
+
+def check_update_is_score_then_learn(factory: Factory, data: Data) -> None:
+    """``update`` equals scoring each point against the state before it, then learning it."""
+    x = _readonly(data.with_spike)
+    a, b = factory(), factory()
+    batched = a.update(x)
+    manual = []
+    for i in range(len(x)):
+        manual.append(b.score(x[i : i + 1])[0])
+        b.learn(x[i : i + 1])
+    np.testing.assert_array_equal(batched, np.array(manual))
+    assert _state(a) == _state(b)
+
+
+def check_deterministic(factory: Factory, data: Data) -> None:
+    """Two detectors built alike and fed alike give identical scores and states."""
+    x = _readonly(data.with_spike)
+    a, b = factory(), factory()
+    np.testing.assert_array_equal(a.update(x), b.update(x))
+    assert _state(a) == _state(b)
+
+
+def check_state_round_trip(factory: Factory, data: Data) -> None:
+    """State survives strict JSON; the restored detector scores the rest of the stream identically."""
+    x = _readonly(data.with_spike)
+    half = len(x) // 2
+    original = factory()
+    original.update(x[:half])
+    state = json.loads(json.dumps(original.state_dict(), allow_nan=False))
+    restored = type(original).from_state(state)
+    assert type(restored) is type(original)
+    assert _state(restored) == _state(original)
+    np.testing.assert_array_equal(restored.score(x), original.score(x))
+    np.testing.assert_array_equal(restored.update(x[half:]), original.update(x[half:]))
+    assert _state(restored) == _state(original)
+
+
+def check_state_dict_is_a_copy(factory: Factory, data: Data) -> None:
+    """Mutating a returned state dict does not reach into the detector."""
+    d = factory()
+    d.update(_readonly(data.normal))
+    before = _state(d)
+    state = d.state_dict()
+    for value in state.values():
+        if isinstance(value, list):
+            value.append(1e9)
+            value.clear()
+    assert _state(d) == before
+
+
+def check_immutable_defaults(factory: Factory, data: Data) -> None:
+    """No constructor default is a mutable container shared between instances."""
+    cls = type(factory())
+    params = inspect.signature(cls.__init__).parameters
+    mutable = {name: p.default for name, p in params.items() if isinstance(p.default, _MUTABLE)}
+    assert not mutable, f"mutable defaults: {mutable}"
+
+
+def check_docstring(factory: Factory, data: Data) -> None:
+    """The class documents itself, with a runnable Examples section (style guide, item 13)."""
+    doc = inspect.getdoc(type(factory()))
+    assert doc and len(doc.split()) >= 5, "missing or trivial docstring"
+    assert "Examples" in doc and ">>>" in doc, "no Examples doctest"
+
+
+def check_warmup_scores_zero(factory: Factory, data: Data) -> None:
+    """During warm-up every score is 0, even a spike's; with no warm-up the first point already counts."""
+    d = factory()
+    warmup = _warmup(d)
+    if warmup:
+        x = _readonly(np.r_[data.normal[: warmup - 1], data.spike])
+        np.testing.assert_array_equal(d.update(x), np.zeros(warmup))
+        # Warm-up over, the next spike is scored.
+        assert d.update(_readonly(np.array([data.spike])))[0] > 0.0
+    else:
+        assert d.update(_readonly(np.array([data.spike])))[0] > 0.0
+
+
+def check_spike_outscores_normal(factory: Factory, data: Data) -> None:
+    """After warm-up, the spike scores above every normal point and is decided anomalous; they are not."""
+    d = factory()
+    x = _readonly(data.with_spike)
+    scores = d.update(x)
+    at = (3 * len(data.normal)) // 4
+    normal = np.r_[scores[_warmup(d) : at], scores[at + 1 : len(data.normal) + 1]]
+    assert scores[at] > normal.max(), (scores[at], normal.max())
+    decided = d.decide(scores)
+    assert decided[at]
+    assert not decided[_warmup(d) : at].any() and not decided[at + 1 : len(data.normal) + 1].any()
+
+
+CHECKS = [
+    check_score_is_pure,
+    check_scores_finite_in_unit_interval,
+    check_inputs_untouched,
+    check_update_is_score_then_learn,
+    check_deterministic,
+    check_state_round_trip,
+    check_state_dict_is_a_copy,
+    check_immutable_defaults,
+    check_docstring,
+    check_warmup_scores_zero,
+    check_spike_outscores_normal,
+]
+
+__all__ = ["CHECKS", "Data", *[c.__name__ for c in CHECKS]]

@@ -1,0 +1,189 @@
+"""TelemetryProcessor.process: alerts, replays, restarts and state round-trips, no broker involved."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from rankwatch.contract import Alert, Rollup, Series, TelemetryBatch
+from stream_processors.policies import AlertPolicy
+from stream_processors.processor import Output, RankState, TelemetryProcessor
+
+
+def _batch(seq: int, steps, series: dict[str, list[float]], *, producer: str = "p1", rank: int = 1) -> TelemetryBatch:
+    steps = np.asarray(steps, dtype=np.int64)
+    return TelemetryBatch(
+        run="run-1", rank=rank, world_size=4, producer=producer, seq=seq, ts=1000.0 + seq,
+        series={name: Series(steps=steps, values=np.asarray(v, dtype=np.float64)) for name, v in series.items()},
+    )
+
+
+def _stream(n_batches: int, per_batch: int = 20, *, seed: int = 0, nan_at: int | None = None, spike_at: int | None = None):
+    """Consecutive batches of a noisy loss and a grad norm, optionally with a NaN and a spike."""
+    rng = np.random.default_rng(seed)
+    total = n_batches * per_batch
+    loss = 2.0 + rng.normal(0.0, 0.01, total)
+    grad = 1.0 + rng.normal(0.0, 0.05, total)
+    if nan_at is not None:
+        loss[nan_at] = np.nan
+    if spike_at is not None:
+        loss[spike_at] = 10.0
+    return [
+        _batch(i, np.arange(i * per_batch, (i + 1) * per_batch),
+               {"loss": loss[i * per_batch : (i + 1) * per_batch], "grad_norm": grad[i * per_batch : (i + 1) * per_batch]})
+        for i in range(n_batches)
+    ]
+
+
+def _wire(out: Output) -> tuple[list[bytes], list[bytes]]:
+    """Outputs as their wire bytes: comparable even when a value is NaN."""
+    return [a.to_bytes() for a in out.alerts], [r.to_bytes() for r in out.rollups]
+
+
+def _frozen(state: RankState) -> str:
+    return json.dumps(state.to_dict(), sort_keys=True, allow_nan=False)
+
+
+def test_nan_produces_one_critical_nonfinite_alert_with_the_contract_fields():
+    proc = TelemetryProcessor(rollup_steps=50)
+    state = RankState()
+    out = proc.process(state, _batch(0, [10, 11, 12], {"loss": [2.0, math.nan, 2.0]}), now=55.5)
+    assert len(out.alerts) == 1
+    alert = out.alerts[0]
+    assert (alert.key, alert.run, alert.status, alert.severity, alert.detector, alert.metric) == (
+        "run-1/nonfinite/loss/1", "run-1", "firing", "critical", "nonfinite", "loss",
+    )
+    assert (alert.rank, alert.step, alert.incident, alert.ts, alert.score) == (1, 11, 11, 55.5, 1.0)
+    assert math.isnan(alert.value)
+    assert "NaN" in alert.message and "rank 1" in alert.message
+    back = Alert.from_bytes(alert.to_bytes())
+    assert back.to_bytes() == alert.to_bytes() and math.isnan(back.value)
+
+
+def test_nan_alert_resolves_after_the_policy_calm_period():
+    proc = TelemetryProcessor(policy=AlertPolicy(resolve_after=3))
+    state = RankState()
+    out = proc.process(state, _batch(0, range(6), {"loss": [1.0, math.nan, 1.0, 1.0, 1.0, 1.0]}), now=0.0)
+    assert [(a.detector, a.status, a.step, a.incident) for a in out.alerts] == [
+        ("nonfinite", "firing", 1, 1), ("nonfinite", "resolved", 4, 1),
+    ]
+
+
+def test_a_spike_after_warmup_alerts_as_a_warning_and_nan_does_not_trip_the_spike_detector():
+    proc = TelemetryProcessor()
+    state = RankState()
+    alerts = []
+    for batch in _stream(10, seed=1, nan_at=120, spike_at=150):
+        alerts += proc.process(state, batch, now=0.0).alerts
+    firing = [(a.detector, a.metric, a.step, a.severity) for a in alerts if a.status == "firing"]
+    assert firing == [("nonfinite", "loss", 120, "critical"), ("spike", "loss", 150, "warning")]
+
+
+def test_rollups_close_per_metric_as_steps_advance():
+    proc = TelemetryProcessor(rollup_steps=50)
+    state = RankState()
+    rollups: list[Rollup] = []
+    batches = _stream(6, per_batch=20, seed=2)  # steps 0..119
+    for b in batches:
+        rollups += proc.process(state, b, now=9.0).rollups
+    assert sorted((r.metric, r.start_step, r.end_step, r.count) for r in rollups) == [
+        ("grad_norm", 0, 50, 50), ("grad_norm", 50, 100, 50), ("loss", 0, 50, 50), ("loss", 50, 100, 50),
+    ]
+    loss = np.concatenate([b.series["loss"].values for b in batches])
+    first = next(r for r in rollups if r.metric == "loss" and r.start_step == 0)
+    assert math.isclose(first.mean, loss[:50].mean(), rel_tol=1e-12)
+    assert (first.run, first.rank, first.ts) == ("run-1", 1, 9.0)
+
+
+def test_replayed_batch_changes_nothing_and_emits_nothing():
+    proc = TelemetryProcessor(rollup_steps=20)
+    state = RankState()
+    batches = _stream(4, seed=3, nan_at=65)  # seq 0..3; the NaN is in seq 3
+    for b in batches[:3]:
+        proc.process(state, b, now=0.0)
+    before = _frozen(state)
+    assert state.seq == 2
+    for replay in (batches[2], batches[0], batches[1]):
+        out = proc.process(state, replay, now=1.0)
+        assert out.alerts == [] and out.rollups == []
+        assert _frozen(state) == before
+    # A replay that would alert (a NaN re-sent under an old seq) is still dropped.
+    state_after = RankState.from_dict(json.loads(before))
+    first = proc.process(state_after, batches[3], now=2.0)
+    assert [(a.detector, a.status, a.step) for a in first.alerts] == [
+        ("nonfinite", "firing", 65), ("nonfinite", "resolved", 70),
+    ]
+    again = proc.process(state_after, batches[3], now=3.0)
+    assert again.alerts == [] and again.rollups == []
+
+
+def test_is_replay():
+    proc = TelemetryProcessor()
+    state = RankState(producer="p1", seq=5)
+    assert proc.is_replay(state, _batch(5, [0], {}))
+    assert proc.is_replay(state, _batch(0, [0], {}))
+    assert not proc.is_replay(state, _batch(6, [0], {}))
+    assert not proc.is_replay(state, _batch(0, [0], {}, producer="p2"))
+    assert not proc.is_replay(RankState(), _batch(0, [0], {}))
+
+
+def test_a_new_producer_resets_numbering_and_is_processed():
+    proc = TelemetryProcessor(rollup_steps=10)
+    state = RankState()
+    for b in _stream(3, per_batch=10, seed=4):  # producer p1, seq 0..2, steps 0..29
+        proc.process(state, b, now=0.0)
+    assert (state.producer, state.seq) == ("p1", 2)
+    # The rank restarted: a new incarnation numbers its messages from 0 again.
+    restarted = _batch(0, [30, 31, 32], {"loss": [2.0, math.nan, 2.0]}, producer="p2")
+    out = proc.process(state, restarted, now=5.0)
+    assert (state.producer, state.seq) == ("p2", 0)
+    assert [(a.detector, a.step) for a in out.alerts] == [("nonfinite", 31)]
+    assert [(r.metric, r.start_step) for r in out.rollups] == [("loss", 20)]
+    # ...and the new incarnation's own replays are dropped.
+    assert proc.process(state, restarted, now=6.0) == Output([], [])
+
+
+def test_state_survives_a_json_round_trip_with_identical_subsequent_outputs():
+    proc = TelemetryProcessor(rollup_steps=30, policy=AlertPolicy(resolve_after=4))
+    batches = _stream(12, per_batch=15, seed=5, nan_at=58, spike_at=140)
+    live = RankState()
+    for b in batches[:4]:  # steps 0..59: the NaN incident is firing and calming at the cut
+        proc.process(live, b, now=0.0)
+    cond = live.metrics["loss"].conditions["nonfinite"]
+    assert (cond.firing, cond.incident, cond.calm) == (True, 58, 1)
+    assert live.metrics["loss"].window.count == 29  # window [30, 60) is open, NaN excluded
+    restored = RankState.from_dict(json.loads(json.dumps(live.to_dict(), allow_nan=False)))
+    assert _frozen(restored) == _frozen(live)
+    outputs_live, outputs_restored = [], []
+    for b in batches[4:]:
+        outputs_live.append(_wire(proc.process(live, b, now=7.0)))
+        outputs_restored.append(_wire(proc.process(restored, b, now=7.0)))
+    assert outputs_restored == outputs_live
+    assert _frozen(restored) == _frozen(live)
+    assert any(alerts for alerts, _ in outputs_live) and any(rollups for _, rollups in outputs_live)
+
+
+def test_state_round_trip_with_a_nonfinite_open_window():
+    proc = TelemetryProcessor(rollup_steps=100)
+    live = RankState()
+    proc.process(live, _batch(0, [0, 1], {"loss": [math.inf, math.nan]}), now=0.0)  # window min/max still +-inf
+    text = json.dumps(live.to_dict(), allow_nan=False)
+    restored = RankState.from_dict(json.loads(text))
+    nxt = _batch(1, [2, 100], {"loss": [1.0, 2.0]})
+    assert _wire(proc.process(restored, nxt, now=1.0)) == _wire(proc.process(live, nxt, now=1.0))
+
+
+def test_empty_state_dict_means_a_fresh_state():
+    assert RankState.from_dict(None) == RankState()
+    assert RankState.from_dict({}) == RankState()
+
+
+def test_ranks_do_not_share_state():
+    proc = TelemetryProcessor()
+    a, b = RankState(), RankState()
+    proc.process(a, _batch(0, [0], {"loss": [math.nan]}, rank=0), now=0.0)
+    out = proc.process(b, _batch(0, [0], {"loss": [math.nan]}, rank=2), now=0.0)
+    assert [al.key for al in out.alerts] == ["run-1/nonfinite/loss/2"]
+    assert "loss" not in RankState().metrics
