@@ -1,0 +1,63 @@
+"""Shared fixtures. Broker tests run against a real embedded Tansu broker and a real Faust worker,
+started once per session; each test isolates itself with its own run id."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Callable
+
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+
+from rankwatch.settings import Settings
+from rankwatch.stack import Stack
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    settings = Settings(data_dir=str(tmp_path_factory.mktemp("rankwatch")), rollup_steps=10)
+    with Stack(settings, embedded=True, port=_free_port()) as running:
+        yield running
+
+
+def _free_port() -> int:
+    from rankwatch.broker import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def bootstrap(stack: Stack) -> str:
+    return stack.bootstrap
+
+
+@pytest.fixture
+def run_id(request) -> str:
+    return f"{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"
+
+
+def consume_json(
+    bootstrap: str, topic: str, predicate: Callable[[dict], bool], *, count: int = 1, timeout_s: float = 30.0
+) -> list[dict]:
+    """Plain kafka-python: read ``topic`` from the beginning until ``count`` JSON objects match."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        found: list[dict] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and len(found) < count:
+            for records in consumer.poll(timeout_ms=200).values():
+                for record in records:
+                    try:
+                        obj = json.loads(record.value)
+                    except ValueError:
+                        continue  # other tests put malformed bytes on purpose
+                    if isinstance(obj, dict) and predicate(obj):
+                        found.append(obj)
+        return found
+    finally:
+        consumer.close()

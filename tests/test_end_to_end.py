@@ -1,0 +1,158 @@
+"""The whole loop on the real embedded broker: ranks -> telemetry -> Faust worker -> alerts."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import consume_json
+from kafka import KafkaProducer
+
+from producers import RankPublisher, TrainerHook
+from rankwatch import contract
+from rankwatch.contract import Series, TelemetryBatch
+
+pytestmark = pytest.mark.broker
+HERE = Path(__file__).parent
+
+ALERT_FIELDS = {
+    "schema": int, "key": str, "run": str, "status": str, "severity": str, "detector": str,
+    "metric": str, "step": int, "message": str, "ts": float,
+}
+
+
+def _batch(run: str, rank: int, seq: int, values, *, metric="loss", first_step=0, producer="p") -> TelemetryBatch:
+    values = np.asarray(values, dtype=np.float64)
+    steps = np.arange(first_step, first_step + len(values))
+    return TelemetryBatch(run=run, rank=rank, world_size=4, producer=producer, seq=seq, ts=time.time(),
+                          series={metric: Series(steps, values)})
+
+
+def _send(bootstrap: str, *payloads: tuple[bytes, bytes]) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    for key, value in payloads:
+        producer.send(contract.TELEMETRY, value, key=key)
+    producer.flush()
+    producer.close()
+
+
+def test_nan_on_one_rank_alerts_with_contract_fields(bootstrap, run_id):
+    world, nan_rank, nan_step = 3, 1, 30
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "rank_loop.py"), run_id, bootstrap, "40", str(nan_step)],
+            env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), NAN_RANK=str(nan_rank)),
+        )
+        for r in range(world)
+    ]
+    assert [p.wait(120) for p in procs] == [0] * world
+
+    [alert] = consume_json(
+        bootstrap, contract.ALERTS,
+        lambda a: a["run"] == run_id and a["metric"] == "loss" and a["detector"] == "nonfinite",
+    )
+    for name, kind in ALERT_FIELDS.items():
+        assert isinstance(alert[name], kind), (name, alert)
+    assert alert["schema"] == contract.SCHEMA_VERSION
+    assert (alert["status"], alert["severity"], alert["rank"], alert["step"]) == ("firing", "critical", nan_rank, nan_step)
+    assert alert["value"] == "NaN" and math.isnan(float(alert["value"]))
+    assert alert["key"] == f"{run_id}/nonfinite/loss/{nan_rank}"
+    assert abs(alert["ts"] - time.time()) < 300
+
+
+def test_malformed_bytes_are_dead_lettered_and_the_next_event_still_alerts(bootstrap, run_id):
+    key = contract.telemetry_key(run_id, 0)
+    garbage = b"\xff\x00 definitely not json"
+    _send(bootstrap, (key, garbage), (key, _batch(run_id, 0, 0, [1.0, float("inf")]).to_bytes()))
+
+    [letter] = consume_json(
+        bootstrap, contract.DEADLETTER, lambda d: base64.b64decode(d["payload_b64"]) == garbage
+    )
+    assert letter["topic"] == contract.TELEMETRY and "not UTF-8 JSON" in letter["reason"]
+    [alert] = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id)
+    assert (alert["step"], alert["value"]) == (1, "Infinity")
+
+
+def test_schema_violation_is_dead_lettered_with_its_reason(bootstrap, run_id):
+    bad = json.dumps({"schema": 1, "kind": "telemetry", "run": run_id, "rank": 7, "world_size": 4,
+                      "producer": "p", "seq": 0, "ts": 0, "series": {}}).encode()
+    _send(bootstrap, (contract.telemetry_key(run_id, 7), bad))
+    [letter] = consume_json(bootstrap, contract.DEADLETTER, lambda d: base64.b64decode(d["payload_b64"]) == bad)
+    assert "rank 7 outside world_size 4" in letter["reason"]
+
+
+def test_replayed_batches_change_no_alert(bootstrap, run_id):
+    key = contract.telemetry_key(run_id, 2)
+    nan = _batch(run_id, 2, 0, [1.0, float("nan")]).to_bytes()
+    # The same message three times (a producer retry, a rebalance replay), then a marker batch.
+    marker = _batch(run_id, 2, 1, [float("nan")], metric="marker", first_step=2).to_bytes()
+    _send(bootstrap, (key, nan), (key, nan), (key, nan), (key, marker))
+
+    consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["metric"] == "marker")
+    # Same partition, so the duplicates were processed before the marker's alert was sent.
+    loss_alerts = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["metric"] == "loss",
+                               count=2, timeout_s=3)
+    assert len(loss_alerts) == 1
+
+
+def test_closed_step_windows_are_rolled_up_to_reports(bootstrap, run_id):
+    values = np.arange(25, dtype=np.float64)  # session rollup window: 10 steps
+    _send(bootstrap, (contract.telemetry_key(run_id, 3), _batch(run_id, 3, 0, values).to_bytes()))
+    rollups = consume_json(bootstrap, contract.REPORTS, lambda r: r.get("run") == run_id, count=2)
+    by_start = {r["start_step"]: r for r in rollups}
+    assert sorted(by_start) == [0, 10]
+    assert by_start[10]["count"] == 10 and by_start[10]["mean"] == pytest.approx(values[10:20].mean())
+    assert by_start[10]["std"] == pytest.approx(values[10:20].std(ddof=1))
+    assert (by_start[0]["min"], by_start[0]["max"]) == (0.0, 9.0)
+
+
+def test_hook_publishes_the_grad_norm_clip_grad_norm_computes(bootstrap, run_id):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap)
+    hook = TrainerHook(model, opt, publisher)
+    expected = {}
+    for step in range(5):
+        loss = model(torch.randn(32, 6)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        expected[step] = (loss.item(), torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+        hook.set_loss(loss)
+        opt.step()
+    publisher.close()
+
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, count=1)
+    got = {}
+    for batch in batches:
+        series = batch["series"]
+        for step, loss, norm in zip(series["loss"]["steps"], series["loss"]["values"], series["grad_norm"]["values"]):
+            got[step] = (loss, norm)
+    assert sorted(got) == list(range(5))
+    for step, (loss, norm) in expected.items():
+        assert got[step] == pytest.approx((loss, norm), rel=1e-6)
+
+
+def test_log_without_a_broker_returns_at_once_and_never_raises():
+    from rankwatch.broker import free_port
+
+    publisher = RankPublisher(run="nobroker", rank=0, world_size=1, bootstrap=f"127.0.0.1:{free_port()}",
+                              connect_timeout_s=0.5)
+    started = time.perf_counter()
+    for step in range(10_000):
+        publisher.log({"loss": 1.0, "grad_norm": 2.0}, step)
+    elapsed = time.perf_counter() - started
+    publisher.close(timeout_s=2)
+    stats = publisher.stats()
+    # A blocking log() would wait on the connect timeout (0.5 s) at least once.
+    assert elapsed < 0.5, elapsed
+    assert stats.logged == 10_000 and stats.sent == 0 and stats.failed >= 1
