@@ -18,7 +18,11 @@ from producers.publisher import RankPublisher
 
 
 class TrainerHook:
-    """>>> hook = TrainerHook(model, optimizer, publisher)   # then, each step: hook.set_loss(loss)"""
+    """Publishes one point per ``optimizer.step()``. Usage::
+
+        hook = TrainerHook(model, optimizer, publisher)
+        ...  # each step, after backward(): hook.set_loss(loss)
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, publisher: RankPublisher, *, start_step: int = 0):
         self.model, self.optimizer, self.publisher = model, optimizer, publisher
