@@ -10,11 +10,14 @@ Written for faust-streaming 0.15.x and aiokafka 0.14.x (pinned in pyproject.toml
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Mapping
 
 import aiokafka
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
+
+log = logging.getLogger(__name__)
 
 #: Quirk 2: JoinGroup is held for half the session timeout; Faust's 60 s default means a 30 s join.
 APP_SETTINGS: Mapping[str, Any] = {
@@ -28,7 +31,7 @@ APP_SETTINGS: Mapping[str, Any] = {
 FETCH_MAX_WAIT_MS = 20
 
 
-async def true_end_offsets(bootstrap: str, reported: Mapping[TP, int], timeout_s: float = 5.0) -> dict[TP, int]:
+async def true_end_offsets(bootstrap: str | list[str], reported: Mapping[TP, int], timeout_s: float = 5.0) -> dict[TP, int]:
     """Quirk 4: Tansu's ListOffsets(LATEST) answers (base offset of the last batch + 1), not the end.
 
     The high watermark in a Fetch response is right, so fetch from just before the reported offset
@@ -52,6 +55,9 @@ async def true_end_offsets(bootstrap: str, reported: Mapping[TP, int], timeout_s
         while any(probe.highwater(tp) is None for tp in tps) and loop.time() < deadline:
             await probe.getmany(*tps, timeout_ms=100)
         fixed = {TP(tp.topic, tp.partition): probe.highwater(tp) for tp in tps}
+        unknown = [tp for tp, high in fixed.items() if high is None]
+        if unknown:
+            log.warning("no high watermark for %s within %.0fs; using ListOffsets' (possibly low) answer", unknown, timeout_s)
     finally:
         await probe.stop()
     return {tp: max(off, fixed.get(tp) or off) for tp, off in reported.items()}
