@@ -18,8 +18,9 @@ import time
 import uuid
 import weakref
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -6,8 +6,8 @@ Library code never reads the environment; only :meth:`Settings.from_env` does.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Mapping
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 FLAVORS = ("auto", "kafka", "tansu")

@@ -12,8 +12,8 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from rankwatch.admin import ensure_topics
 from rankwatch.broker import EmbeddedBroker

@@ -7,7 +7,7 @@ which the embedded broker answers wrongly; that check is right on every broker.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord

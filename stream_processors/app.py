@@ -15,7 +15,9 @@ def make_app(settings: Settings, *, flavor: str, partitions: int) -> faust.App:
     ``partitions`` must equal the telemetry topic's partition count: Faust co-partitions the state
     table with the stream it is updated from.
     """
-    from stream_processors import flows  # flows import the app's topics; keep make_app importable alone
+    from stream_processors import (
+        flows,  # flows import the app's topics; keep make_app importable alone
+    )
 
     extra = {}
     scheme = "kafka"

@@ -7,8 +7,8 @@ keyed like the telemetry topic, so state and stream share partitions and one wri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from rankwatch.contract import Alert, Rollup, TelemetryBatch
 from stream_processors.detectors import Detector, NonFinite, RobustSpike

@@ -7,9 +7,8 @@ import faust
 from rankwatch import contract
 from rankwatch.admin import detect_flavor, ensure_topics
 from rankwatch.settings import Settings
-from stream_processors.app import make_app
-
 from rankwatch.stack import READY_LINE
+from stream_processors.app import make_app
 
 
 def build_app(settings: Settings) -> faust.App:

@@ -8,11 +8,10 @@ every function in :data:`CHECKS`.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

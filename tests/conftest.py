@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition

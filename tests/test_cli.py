@@ -11,13 +11,13 @@ import time
 
 import numpy as np
 import pytest
+from conftest import consume_json
 from kafka import KafkaProducer
 
 from rankwatch import contract
 from rankwatch.broker import EmbeddedBroker, free_port, port_is_free
 from rankwatch.contract import Series, TelemetryBatch
 from rankwatch.errors import BrokerError
-from conftest import consume_json
 
 RANKWATCH = [sys.executable, "-m", "rankwatch"]
 

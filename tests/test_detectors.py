@@ -6,8 +6,8 @@ import inspect
 
 import numpy as np
 import pytest
-
 from conformance import CHECKS, Data
+
 from stream_processors import detectors
 from stream_processors.detectors import NonFinite, RobustSpike
 

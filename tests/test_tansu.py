@@ -155,7 +155,7 @@ def test_group_join_with_app_settings_gets_assignment(bootstrap):
         try:
             await asyncio.wait_for(consumer.start(), timeout=20)
             return consumer.assignment(), time.monotonic() - started
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return set(), time.monotonic() - started
         finally:
             await consumer.stop()

@@ -1,0 +1,46 @@
+"""The wire contract: topic names and event schemas. Everything else imports this module.
+
+Every event is one UTF-8 JSON object with ``schema`` (this module's ``SCHEMA_VERSION``) and ``kind``.
+JSON has no NaN or infinity, and a NaN is exactly what an alert must be able to carry, so non-finite
+floats travel as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (the names JavaScript and
+Python's ``float()`` both read back). Any Kafka client can decode every rankwatch event.
+
+Telemetry is batched: one message carries many steps of many metrics of one rank, column-wise
+(``series[name] = {"steps": [...], "values": [...]}``), because per-message overhead, not per-value
+work, dominates Kafka throughput. ``seq`` numbers the messages of one producer incarnation
+(``producer``), so processors drop replays and the pipeline stays idempotent under at-least-once.
+"""
+
+from rankwatch.contract.alerts import SEVERITIES, STATUSES, Alert
+from rankwatch.contract.codec import (
+    SCHEMA_VERSION,
+    decode_any,
+    decode_float,
+    encode_float,
+)
+from rankwatch.contract.deadletter import DeadLetter
+from rankwatch.contract.evaluation import (
+    CONTROL_ACTIONS,
+    Control,
+    EvalReport,
+    EvalShard,
+    eval_key,
+)
+from rankwatch.contract.telemetry import Rollup, Series, TelemetryBatch, telemetry_key
+from rankwatch.contract.topics import (
+    ALERTS,
+    CONTROL,
+    DEADLETTER,
+    EVAL_SHARDS,
+    REPORTS,
+    TELEMETRY,
+    TOPICS,
+)
+from rankwatch.errors import SchemaError
+
+__all__ = [
+    "SCHEMA_VERSION", "TOPICS", "TELEMETRY", "EVAL_SHARDS", "ALERTS", "REPORTS", "CONTROL", "DEADLETTER",
+    "STATUSES", "SEVERITIES", "CONTROL_ACTIONS", "SchemaError",
+    "Series", "TelemetryBatch", "Rollup", "Alert", "DeadLetter", "EvalShard", "EvalReport", "Control",
+    "telemetry_key", "eval_key", "encode_float", "decode_float", "decode_any",
+]

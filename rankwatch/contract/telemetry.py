@@ -1,0 +1,136 @@
+"""Rank telemetry (batched, column-wise) and its step-window rollups."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from rankwatch.contract.codec import (
+    SCHEMA_VERSION,
+    decode_float,
+    dumps,
+    encode_float,
+    field_of,
+    float_field,
+    loads,
+)
+from rankwatch.errors import SchemaError
+
+
+def telemetry_key(run: str, rank: int) -> bytes:
+    """Message key for a rank's telemetry: one rank's messages stay ordered on one partition."""
+    return f"{run}/{rank}".encode()
+
+
+@dataclass(frozen=True)
+class Series:
+    """Consecutive points of one metric: ``steps`` (int64) and ``values`` (float64), same length."""
+
+    steps: np.ndarray
+    values: np.ndarray
+
+
+@dataclass(frozen=True)
+class TelemetryBatch:
+    run: str
+    rank: int
+    world_size: int
+    producer: str
+    seq: int
+    ts: float
+    series: dict[str, Series] = field(default_factory=dict)
+
+    KIND = "telemetry"
+
+    @property
+    def key(self) -> bytes:
+        return telemetry_key(self.run, self.rank)
+
+    def to_bytes(self) -> bytes:
+        return dumps(
+            {
+                "schema": SCHEMA_VERSION,
+                "kind": self.KIND,
+                "run": self.run,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "producer": self.producer,
+                "seq": self.seq,
+                "ts": self.ts,
+                "series": {
+                    name: {"steps": s.steps.tolist(), "values": [encode_float(v) for v in s.values.tolist()]}
+                    for name, s in self.series.items()
+                },
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TelemetryBatch:
+        obj = loads(data, cls.KIND)
+        rank = field_of(obj, "rank", int)
+        world_size = field_of(obj, "world_size", int)
+        if not 0 <= rank < world_size:
+            raise SchemaError(f"rank {rank} outside world_size {world_size}")
+        raw_series = field_of(obj, "series", dict)
+        series = {}
+        for name, raw in raw_series.items():
+            if not isinstance(raw, dict):
+                raise SchemaError(f"series {name!r} must be an object")
+            steps, values = field_of(raw, "steps", list), field_of(raw, "values", list)
+            if len(steps) != len(values):
+                raise SchemaError(f"series {name!r}: {len(steps)} steps but {len(values)} values")
+            if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+                raise SchemaError(f"series {name!r}: steps must be integers")
+            series[name] = Series(
+                steps=np.asarray(steps, dtype=np.int64),
+                values=np.fromiter((decode_float(v) for v in values), dtype=np.float64, count=len(values)),
+            )
+        return cls(
+            run=field_of(obj, "run", str),
+            rank=rank,
+            world_size=world_size,
+            producer=field_of(obj, "producer", str),
+            seq=field_of(obj, "seq", int),
+            ts=float(field_of(obj, "ts", (int, float))),
+            series=series,
+        )
+
+
+@dataclass(frozen=True)
+class Rollup:
+    """Summary of one metric of one rank over a closed window of steps ``[start_step, end_step)``."""
+
+    run: str
+    rank: int
+    metric: str
+    start_step: int
+    end_step: int
+    count: int
+    nonfinite: int
+    mean: float
+    std: float
+    min: float
+    max: float
+    last: float
+    ts: float
+
+    KIND = "rollup"
+
+    def to_bytes(self) -> bytes:
+        d = {k: encode_float(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, **d})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Rollup:
+        obj = loads(data, cls.KIND)
+        floats = {"mean", "std", "min", "max", "last"}
+        kwargs = {}
+        for name in cls.__dataclass_fields__:
+            if name in floats:
+                kwargs[name] = float_field(obj, name)
+            elif name == "ts":
+                kwargs[name] = float(field_of(obj, name, (int, float)))
+            else:
+                kwargs[name] = field_of(obj, name, str if name in ("run", "metric") else int)
+        return cls(**kwargs)
