@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from rankwatch import contract
 from rankwatch.contract import Series, TelemetryBatch
 from rankwatch.settings import DEFAULT_BOOTSTRAP
 
@@ -61,10 +60,10 @@ def _as_float(value: Any) -> float:
 @dataclass(frozen=True)
 class PublisherStats:
     logged: int  # log() calls accepted
-    dropped: int  # log() calls refused because the queue was full
+    dropped: int  # log() / send() calls refused because the queue was full
     sent: int  # messages acknowledged by the broker
     failed: int  # messages the broker never acknowledged (after kafka-python's retries)
-    queued: int  # log() calls waiting for the sender
+    queued: int  # items waiting for the sender
 
 
 class RankPublisher:
@@ -118,9 +117,19 @@ class RankPublisher:
             self._queue.put_nowait((step, metrics))
             self._logged += 1
         except queue.Full:
-            self._dropped += 1
-            if self._dropped & (self._dropped - 1) == 0:  # log at 1, 2, 4, 8… drops, not every time
-                log.warning("rankwatch queue full (%d items): %d log() calls dropped so far", self._queue.maxsize, self._dropped)
+            self._count_drop()
+
+    def _count_drop(self) -> None:
+        self._dropped += 1
+        if self._dropped & (self._dropped - 1) == 0:  # log at 1, 2, 4, 8… drops, not every time
+            log.warning("rankwatch queue full (%d items): %d items dropped so far", self._queue.maxsize, self._dropped)
+
+    def send(self, event: Any) -> None:
+        """Queue any contract event (e.g. an ``EvalShard``) for its topic. Never blocks, never raises on I/O."""
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self._count_drop()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything logged so far is acknowledged (or failed); True if it finished in time."""
@@ -176,11 +185,14 @@ class RankPublisher:
                 except queue.Empty:
                     break
             points = [item for item in items if isinstance(item, tuple)]
+            events = [item for item in items if hasattr(item, "to_bytes")]
             if points:
+                events.insert(0, self._build(points))
+            for event in events:
                 try:
-                    self._send(self._build(points))
-                except Exception:  # the sender must outlive any one bad batch
-                    log.exception("rankwatch: could not publish a telemetry batch")
+                    self._send(event)
+                except Exception:  # the sender must outlive any one bad event
+                    log.exception("rankwatch: could not publish a %s event", getattr(event, "KIND", "?"))
                     self._failed += 1
             for item in items:
                 if isinstance(item, threading.Event):
@@ -203,12 +215,13 @@ class RankPublisher:
         self._seq += 1
         return batch
 
-    def _send(self, batch: TelemetryBatch) -> None:
+    def _send(self, event: Any) -> None:
         producer = self._connect()
         if producer is None:
             self._failed += 1
             return
-        future = producer.send(contract.TELEMETRY, batch.to_bytes(), key=batch.key)
+        key = event.key if isinstance(event.key, bytes) else event.key.encode()
+        future = producer.send(event.TOPIC, event.to_bytes(), key=key)
         future.add_callback(self._on_sent).add_errback(self._on_error)
 
     def _on_sent(self, _metadata) -> None:

@@ -13,6 +13,7 @@ from rankwatch.contract.codec import (
     float_field,
     loads,
 )
+from rankwatch.contract.topics import ALERTS
 from rankwatch.errors import SchemaError
 
 STATUSES = ("firing", "resolved")
@@ -39,6 +40,7 @@ class Alert:
     incident: int = 0  # step at which this condition started firing
 
     KIND = "alert"
+    TOPIC = ALERTS
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

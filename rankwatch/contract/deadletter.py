@@ -12,6 +12,7 @@ from rankwatch.contract.codec import (
     field_of,
     loads,
 )
+from rankwatch.contract.topics import DEADLETTER
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class DeadLetter:
     ts: float
 
     KIND = "deadletter"
+    TOPIC = DEADLETTER
 
     def to_bytes(self) -> bytes:
         return dumps(

@@ -18,6 +18,7 @@ from rankwatch.contract.codec import (
     float_field,
     loads,
 )
+from rankwatch.contract.topics import CONTROL, EVAL_SHARDS, REPORTS
 from rankwatch.errors import SchemaError
 
 
@@ -49,6 +50,7 @@ class EvalShard:
     dataset_size: int | None = None  # samples in the whole validation set, when the sender knows
 
     KIND = "eval_shard"
+    TOPIC = EVAL_SHARDS
 
     @property
     def key(self) -> bytes:
@@ -117,6 +119,7 @@ class EvalReport:
     ts: float
 
     KIND = "eval_report"
+    TOPIC = REPORTS
 
     @property
     def key(self) -> bytes:
@@ -157,6 +160,11 @@ class Control:
     ts: float
 
     KIND = "control"
+    TOPIC = CONTROL
+
+    @property
+    def key(self) -> bytes:
+        return self.run.encode()
 
     def __post_init__(self) -> None:
         if self.action not in CONTROL_ACTIONS:

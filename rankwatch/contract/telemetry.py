@@ -15,6 +15,7 @@ from rankwatch.contract.codec import (
     float_field,
     loads,
 )
+from rankwatch.contract.topics import REPORTS, TELEMETRY
 from rankwatch.errors import SchemaError
 
 
@@ -42,6 +43,7 @@ class TelemetryBatch:
     series: dict[str, Series] = field(default_factory=dict)
 
     KIND = "telemetry"
+    TOPIC = TELEMETRY
 
     @property
     def key(self) -> bytes:
@@ -116,6 +118,11 @@ class Rollup:
     ts: float
 
     KIND = "rollup"
+    TOPIC = REPORTS
+
+    @property
+    def key(self) -> bytes:
+        return telemetry_key(self.run, self.rank)
 
     def to_bytes(self) -> bytes:
         d = {k: encode_float(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
