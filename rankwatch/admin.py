@@ -9,7 +9,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from rankwatch.contract import TOPICS
+from rankwatch.contract import INTERNAL_TOPICS, TOPICS
 from rankwatch.errors import BrokerError
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def wait_for_broker(bootstrap: str, timeout_s: float = 10.0) -> None:
     connect_admin(bootstrap, timeout_s).close()
 
 
-def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOPICS) -> dict[str, int]:
+def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOPICS + INTERNAL_TOPICS) -> dict[str, int]:
     """Create the missing rankwatch topics; return every topic's actual partition count.
 
     Existing topics keep their partition count (Tansu auto-creates topics with 4 partitions when a

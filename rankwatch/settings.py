@@ -26,6 +26,8 @@ class Settings:
     rollup_steps: int = 50
     #: Where workers keep local state (Faust's data dir).
     data_dir: str = ".rankwatch"
+    #: Alert rules file (TOML); empty means the defaults shipped with rankwatch.
+    rules: str = ""
 
     def __post_init__(self) -> None:
         if self.broker_flavor not in FLAVORS:
@@ -35,20 +37,41 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> Settings:
-        """Settings from ``RANKWATCH_*`` variables; keyword overrides (e.g. CLI flags) win when not None."""
+        """Settings from ``RANKWATCH_<FIELD>`` variables; keyword overrides (e.g. CLI flags) win when not None."""
         env = os.environ if env is None else env
-        read = {
-            "bootstrap": env.get("RANKWATCH_BOOTSTRAP"),
-            "broker_flavor": env.get("RANKWATCH_BROKER_FLAVOR"),
-            "partitions": env.get("RANKWATCH_PARTITIONS"),
-            "app_id": env.get("RANKWATCH_APP_ID"),
-            "rollup_steps": env.get("RANKWATCH_ROLLUP_STEPS"),
-            "data_dir": env.get("RANKWATCH_DATA_DIR"),
-        }
-        read.update({k: v for k, v in overrides.items() if v is not None})
-        fields = cls.__dataclass_fields__
-        kwargs = {k: int(v) if fields[k].type == "int" else v for k, v in read.items() if v is not None}
+        kwargs = {}
+        for name, f in cls.__dataclass_fields__.items():
+            raw = overrides.get(name)
+            if raw is None:
+                raw = env.get(env_name(name))
+            if raw is not None:
+                kwargs[name] = _parse(raw, f.type, env_name(name))
         return cls(**kwargs)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that makes ``from_env`` in a child process rebuild these settings."""
+        return {env_name(name): str(getattr(self, name)) for name in self.__dataclass_fields__}
 
     def with_(self, **changes) -> Settings:
         return replace(self, **changes)
+
+
+def env_name(field: str) -> str:
+    return f"RANKWATCH_{field.upper()}"
+
+
+def _parse(raw, type_name: str, where: str):
+    if not isinstance(raw, str):
+        return raw
+    try:
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+        if type_name == "bool":
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+    except ValueError:
+        raise ValueError(f"{where}={raw!r} is not a valid {type_name}") from None
+    return raw

@@ -88,15 +88,22 @@ class Stack:
                 self.broker = EmbeddedBroker(port=self.port, log_path=log_path).start()
                 self.settings = self.settings.with_(bootstrap=self.broker.bootstrap, broker_flavor="tansu")
             ensure_topics(self.settings.bootstrap, self.settings.partitions)
-            env = dict(os.environ, RANKWATCH_BROKER_FLAVOR=self.settings.broker_flavor,
-                       RANKWATCH_PARTITIONS=str(self.settings.partitions), RANKWATCH_DATA_DIR=self.settings.data_dir,
-                       RANKWATCH_APP_ID=self.settings.app_id, RANKWATCH_ROLLUP_STEPS=str(self.settings.rollup_steps))
-            self.workers = [WorkerProcess(self.settings, i, echo=self.echo, env=env) for i in range(self.n_workers)]
-            self.wait_ready()
+            self.start_workers()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_workers(self) -> None:
+        env = dict(os.environ, **self.settings.to_env())
+        self.workers = [WorkerProcess(self.settings, i, echo=self.echo, env=env) for i in range(self.n_workers)]
+        self.wait_ready()
+
+    def restart_workers(self) -> None:
+        """Stop every worker and start fresh ones (the broker, and so the changelogs, stay)."""
+        for w in self.workers:
+            w.stop()
+        self.start_workers()
 
     def wait_ready(self) -> None:
         for w in self.workers:

@@ -8,10 +8,12 @@ import time
 import faust
 
 from rankwatch import contract
-from rankwatch.contract import DeadLetter, TelemetryBatch
+from rankwatch.contract import DeadLetter, RankSignal, TelemetryBatch
 from rankwatch.errors import SchemaError
 from rankwatch.settings import Settings
+from stream_processors.grouping import Grouper, RunGroups
 from stream_processors.processor import RankState, TelemetryProcessor
+from stream_processors.rules import Rules
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +27,16 @@ def register(app: faust.App, settings: Settings) -> None:
     alerts = _raw_topic(app, contract.ALERTS)
     reports = _raw_topic(app, contract.REPORTS)
     deadletter = _raw_topic(app, contract.DEADLETTER)
-    # One value per (run, rank), keyed like the telemetry topic so each key has exactly one writer.
+    run_events = _raw_topic(app, contract.RUN_EVENTS)
+    rules = Rules.load(settings.rules or None)
+    # Stage 1: one value per (run, rank), keyed like the telemetry topic, so each key has one writer.
     rank_state = app.Table("rank-state", default=None)
-    processor = TelemetryProcessor(rollup_steps=settings.rollup_steps)
+    # Stage 2: one value per run. Bytes keys + the partitioner put each run's state on the partition
+    # its run-events go to, which the group-wait timer needs (it writes outside stream iteration).
+    run_state = app.Table("run-state", default=None, key_type=bytes, use_partitioner=True)
+    processor = TelemetryProcessor(rollup_steps=settings.rollup_steps, rules=rules)
+    grouper = Grouper(group_wait_s=rules.group_wait_s)
+    waiting: set[bytes] = set()  # runs with groups inside their wait, on partitions this worker owns
 
     async def dead_letter(event: faust.EventT, reason: str) -> None:
         msg = event.message
@@ -56,6 +65,45 @@ def register(app: faust.App, settings: Settings) -> None:
                 continue
             rank_state[key] = state
             for alert in out.alerts:
-                await alerts.send(key=alert.key.encode(), value=alert.to_bytes())
+                signal = RankSignal(alert=alert, world_size=batch.world_size)
+                await run_events.send(key=signal.key, value=signal.to_bytes())
             for rollup in out.rollups:
-                await reports.send(key=batch.key, value=rollup.to_bytes())
+                await reports.send(key=rollup.key, value=rollup.to_bytes())
+
+    async def publish(alerts_due) -> None:
+        for alert in alerts_due:
+            await alerts.send(key=alert.key.encode(), value=alert.to_bytes())
+
+    def run_groups(key: bytes) -> RunGroups:
+        state = run_state.get(key)
+        return state if isinstance(state, RunGroups) else RunGroups.from_dict(state)
+
+    @app.agent(run_events, name="run-events")
+    async def group_signals(stream):
+        async for event in stream.events():
+            try:
+                signal = RankSignal.from_bytes(event.value)
+            except SchemaError as exc:
+                await dead_letter(event, f"invalid run event: {exc}")
+                continue
+            state = run_groups(signal.key)
+            due = grouper.add(state, signal, time.time())
+            run_state[signal.key] = state  # written before the alerts: a replay then finds them sent
+            await publish(due)
+            if any(g.pending_since is not None for g in state.groups.values()):
+                waiting.add(signal.key)
+
+    @app.timer(interval=max(0.01, min(grouper.group_wait_s / 2, 0.05)))
+    async def flush_waiting_groups():
+        for key in list(waiting):
+            state = run_groups(key)
+            due = grouper.tick(state, time.time())
+            if due:
+                run_state[key] = state
+                await publish(due)
+            if not any(g.pending_since is not None for g in state.groups.values()):
+                waiting.discard(key)
+
+    @app.on_partitions_revoked.connect
+    async def forget_waiting(sender, revoked, **kwargs):
+        waiting.clear()  # the new owners pick their runs' groups up with the next signal

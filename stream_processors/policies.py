@@ -1,13 +1,14 @@
 """Turning detector decisions into alert transitions: fire once, resolve once, never repeat.
 
-A condition (one detector on one metric of one rank) fires on its first anomalous point and stays
-firing, silently, until ``resolve_after`` consecutive normal points; then it resolves. Its state is
-three JSON-able numbers, kept with the rank's other state, so a replay or restart re-emits nothing.
+Per condition (one detector on one metric of one rank), like Alertmanager's rules but counted in
+steps: fire after ``for_`` consecutive anomalous points, stay firing silently, resolve after
+``resolve_after`` consecutive normal points (hysteresis), then stay quiet for ``cooldown`` steps.
+The state is a few JSON-able numbers kept with the rank's state, so a replay re-emits nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -17,16 +18,20 @@ from rankwatch.contract import Alert, encode_float
 @dataclass
 class Condition:
     firing: bool = False
-    incident: int = 0  # step at which the current (or last) incident started
+    incident: int = 0  # first anomalous step of the current (or last) incident
+    streak: int = 0  # consecutive anomalous points
     calm: int = 0  # consecutive normal points while firing
+    quiet_until: int = -1  # no new incident before this step (cooldown)
 
     def to_dict(self) -> dict:
-        return {"firing": self.firing, "incident": self.incident, "calm": self.calm}
+        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)
 class AlertPolicy:
+    for_: int = 1
     resolve_after: int = 5
+    cooldown: int = 0
 
     def apply(
         self,
@@ -45,35 +50,36 @@ class AlertPolicy:
     ) -> list[Alert]:
         """Advance ``cond`` over the points (in order) and return the transitions they cause."""
         alerts = []
-        key = Alert.make_key(run, detector, metric, rank)
         for step, value, score, bad in zip(steps.tolist(), values.tolist(), scores.tolist(), anomalous.tolist()):
             if bad:
+                cond.streak += 1
                 cond.calm = 0
-                if cond.firing:
+                if cond.firing or cond.streak < self.for_ or step < cond.quiet_until:
                     continue
-                cond.firing, cond.incident = True, step
+                cond.firing, cond.incident = True, step - cond.streak + 1
                 status, message = "firing", _describe(detector, metric, rank, step, value)
-            elif cond.firing:
+            else:
+                cond.streak = 0
+                if not cond.firing:
+                    continue
                 cond.calm += 1
                 if cond.calm < self.resolve_after:
                     continue
-                cond.firing, cond.calm = False, 0
+                cond.firing, cond.calm, cond.quiet_until = False, 0, step + self.cooldown + 1
                 status = "resolved"
                 message = f"{metric} on {_who(rank)} back to normal for {self.resolve_after} steps at step {step}"
-            else:
-                continue
             alerts.append(
                 Alert(
-                    key=key, run=run, status=status, severity=severity, detector=detector, metric=metric,
-                    rank=rank, step=step, value=value, message=message, ts=now, score=score,
-                    incident=cond.incident,
+                    key=Alert.make_key(run, detector, metric, rank), run=run, status=status, severity=severity,
+                    detector=detector, metric=metric, rank=rank, step=step, value=value, message=message, ts=now,
+                    score=score, incident=cond.incident, ranks=() if rank is None else (rank,),
                 )
             )
         return alerts
 
 
 def _who(rank: int | None) -> str:
-    return "all ranks" if rank is None else f"rank {rank}"
+    return "the run" if rank is None else f"rank {rank}"
 
 
 def _describe(detector: str, metric: str, rank: int | None, step: int, value: float) -> str:

@@ -7,26 +7,13 @@ keyed like the telemetry topic, so state and stream share partitions and one wri
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rankwatch.contract import Alert, Rollup, TelemetryBatch
-from stream_processors.detectors import Detector, NonFinite, RobustSpike
+from stream_processors.detectors import Detector
 from stream_processors.policies import AlertPolicy, Condition
+from stream_processors.rules import Rule, Rules, default_rules, detector_classes
 from stream_processors.windows import Window, roll
-
-DETECTORS: dict[str, type[Detector]] = {"nonfinite": NonFinite, "spike": RobustSpike}
-
-
-#: Suffixes of 0/1 flag metrics: a flag's flip is its own signal, a spike test on it only echoes it.
-FLAG_SUFFIXES = ("_nonfinite", "_flag", "_skipped")
-
-
-def default_detectors(metric: str) -> dict[str, Detector]:
-    """Which detectors watch a metric that has no state yet (rule files come later)."""
-    if metric.endswith(FLAG_SUFFIXES):
-        return {"nonfinite": NonFinite()}
-    return {"nonfinite": NonFinite(), "spike": RobustSpike()}
 
 
 @dataclass
@@ -45,7 +32,7 @@ class MetricState:
     @classmethod
     def from_dict(cls, d: dict) -> MetricState:
         return cls(
-            detectors={name: DETECTORS[name].from_state(s) for name, s in d["detectors"].items()},
+            detectors={name: detector_classes()[name].from_state(s) for name, s in d["detectors"].items()},
             conditions={name: Condition(**c) for name, c in d["conditions"].items()},
             window=Window.from_dict(d["window"]) if d["window"] else None,
         )
@@ -78,8 +65,14 @@ class Output:
 @dataclass(frozen=True, kw_only=True)
 class TelemetryProcessor:
     rollup_steps: int = 50
-    policy: AlertPolicy = AlertPolicy()
-    detectors_for: Callable[[str], dict[str, Detector]] = default_detectors
+    rules: Rules = field(default_factory=default_rules)
+    _rules_by_metric: dict[str, dict[str, Rule]] = field(default_factory=dict, repr=False, compare=False)
+
+    def rules_for(self, metric: str) -> dict[str, Rule]:
+        found = self._rules_by_metric.get(metric)
+        if found is None:
+            found = self._rules_by_metric[metric] = self.rules.for_metric(metric)
+        return found
 
     def is_replay(self, state: RankState, batch: TelemetryBatch) -> bool:
         """At-least-once delivery replays messages; a seq we already applied changes nothing.
@@ -96,15 +89,20 @@ class TelemetryProcessor:
             return Output(alerts, rollups)
         state.producer, state.seq = batch.producer, batch.seq
         for metric, series in batch.series.items():
+            rules = self.rules_for(metric)
             ms = state.metrics.get(metric)
             if ms is None:
-                ms = state.metrics[metric] = MetricState(detectors=self.detectors_for(metric))
+                ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()})
             for name, detector in ms.detectors.items():
+                rule = rules.get(name)
+                if rule is None:
+                    continue  # the rules changed since this state was built; the detector retires
                 scores = detector.update(series.values)
-                alerts += self.policy.apply(
+                policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)
+                alerts += policy.apply(
                     ms.conditions.setdefault(name, Condition()),
                     run=batch.run, rank=batch.rank, metric=metric, detector=name,
-                    severity=detector.severity, steps=series.steps, values=series.values,
+                    severity=rule.severity or detector.severity, steps=series.steps, values=series.values,
                     scores=scores, anomalous=detector.decide(scores), now=now,
                 )
             ms.window, closed = roll(ms.window, series.steps, series.values, self.rollup_steps)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Callable
 
 import pytest
@@ -14,10 +15,12 @@ from kafka import KafkaConsumer, TopicPartition
 from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 
+TEST_RULES = Path(__file__).with_name("rules.toml")
+
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
-    settings = Settings(data_dir=str(tmp_path_factory.mktemp("rankwatch")), rollup_steps=10)
+    settings = Settings(data_dir=str(tmp_path_factory.mktemp("rankwatch")), rollup_steps=10, rules=str(TEST_RULES))
     with Stack(settings, embedded=True, port=_free_port()) as running:
         yield running
 

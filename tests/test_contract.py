@@ -181,7 +181,7 @@ def test_alert_round_trip_other_values_and_cross_rank(value):
     alert = _alert(rank=None, value=value, status="resolved", severity="info", key=Alert.make_key("r", "d", "m", None))
     back = Alert.from_bytes(alert.to_bytes())
     assert back == alert
-    assert back.rank is None and back.key == "r/d/m/all"
+    assert back.rank is None and back.key == "r/d/m"
 
 
 def test_alert_score_and_incident_default_when_absent():
@@ -193,7 +193,7 @@ def test_alert_score_and_incident_default_when_absent():
 
 def test_alert_make_key():
     assert Alert.make_key("r", "spike", "loss", 0) == "r/spike/loss/0"
-    assert Alert.make_key("r", "spike", "loss", None) == "r/spike/loss/all"
+    assert Alert.make_key("r", "spike", "loss", None) == "r/spike/loss"
 
 
 def test_rollup_round_trip():
@@ -304,7 +304,7 @@ REQUIRED = [
     (cls, name)
     for cls in DECODERS
     for name in _raw(cls)
-    if name not in ("schema", "kind") and not (cls is Alert and name in ("score", "incident"))
+    if name not in ("schema", "kind") and not (cls is Alert and name in ("score", "incident", "ranks"))
 ]
 
 

@@ -34,7 +34,7 @@ def test_firing_alert_carries_the_contract_fields():
     assert alert == Alert(
         key="run-1/spike/loss/2", run="run-1", status="firing", severity="warning", detector="spike",
         metric="loss", rank=2, step=101, value=9.0, message=alert.message, ts=123.5, score=0.999,
-        incident=101,
+        incident=101, ranks=(2,),
     )
     assert "loss" in alert.message and "rank 2" in alert.message and "101" in alert.message
     assert Alert.from_bytes(alert.to_bytes()) == alert
@@ -92,7 +92,7 @@ def test_normal_points_when_not_firing_emit_nothing_and_leave_state_alone():
 def test_empty_input_emits_nothing():
     cond = Condition(firing=True, incident=7, calm=2)
     assert _apply(AlertPolicy(), cond, []) == []
-    assert cond.to_dict() == {"firing": True, "incident": 7, "calm": 2}
+    assert cond.to_dict() == {"firing": True, "incident": 7, "streak": 0, "calm": 2, "quiet_until": -1}
 
 
 def test_nan_value_is_described_and_carried():
@@ -104,8 +104,8 @@ def test_nan_value_is_described_and_carried():
 
 def test_cross_rank_condition_uses_all_in_key_and_message():
     [alert] = _apply(AlertPolicy(), Condition(), [True], rank=None)
-    assert alert.rank is None and alert.key == "run-1/spike/loss/all"
-    assert "all ranks" in alert.message
+    assert alert.rank is None and alert.key == "run-1/spike/loss"
+    assert "the run" in alert.message
 
 
 @pytest.mark.parametrize("resolve_after", [1, 4])
@@ -120,5 +120,22 @@ def test_resolve_after_is_exact(resolve_after):
 
 
 def test_condition_to_dict():
-    assert Condition(firing=True, incident=12, calm=3).to_dict() == {"firing": True, "incident": 12, "calm": 3}
+    assert Condition(firing=True, incident=12, calm=3).to_dict() == {
+        "firing": True, "incident": 12, "streak": 0, "calm": 3, "quiet_until": -1
+    }
     assert Condition(**Condition(True, 12, 3).to_dict()) == Condition(True, 12, 3)
+
+
+def test_for_waits_for_consecutive_anomalies_and_incident_is_the_first_of_them():
+    cond = Condition()
+    alerts = _apply(AlertPolicy(for_=3), cond, [True, True, False, True, True, True, True], start=50)
+    assert [(a.status, a.step, a.incident) for a in alerts] == [("firing", 55, 53)]
+
+
+def test_cooldown_keeps_a_resolved_condition_quiet_for_that_many_steps():
+    cond = Condition()
+    policy = AlertPolicy(resolve_after=2, cooldown=5)
+    # fire at 0, resolve at 2, anomalies at 4 and 7 are inside the cooldown, 8 is past it
+    flags = [True, False, False, False, True, False, False, True, True]
+    alerts = _apply(policy, cond, flags, start=0)
+    assert [(a.status, a.step) for a in alerts] == [("firing", 0), ("resolved", 2), ("firing", 8)]

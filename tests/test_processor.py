@@ -8,7 +8,6 @@ import math
 import numpy as np
 
 from rankwatch.contract import Alert, Rollup, Series, TelemetryBatch
-from stream_processors.policies import AlertPolicy
 from stream_processors.processor import Output, RankState, TelemetryProcessor
 
 
@@ -63,7 +62,7 @@ def test_nan_produces_one_critical_nonfinite_alert_with_the_contract_fields():
 
 
 def test_nan_alert_resolves_after_the_policy_calm_period():
-    proc = TelemetryProcessor(policy=AlertPolicy(resolve_after=3))
+    proc = TelemetryProcessor(rules=_rules(resolve_after=3))
     state = RankState()
     out = proc.process(state, _batch(0, range(6), {"loss": [1.0, math.nan, 1.0, 1.0, 1.0, 1.0]}), now=0.0)
     assert [(a.detector, a.status, a.step, a.incident) for a in out.alerts] == [
@@ -146,7 +145,7 @@ def test_a_new_producer_resets_numbering_and_is_processed():
 
 
 def test_state_survives_a_json_round_trip_with_identical_subsequent_outputs():
-    proc = TelemetryProcessor(rollup_steps=30, policy=AlertPolicy(resolve_after=4))
+    proc = TelemetryProcessor(rollup_steps=30, rules=_rules(resolve_after=4))
     batches = _stream(12, per_batch=15, seed=5, nan_at=58, spike_at=140)
     live = RankState()
     for b in batches[:4]:  # steps 0..59: the NaN incident is firing and calming at the cut
@@ -187,3 +186,13 @@ def test_ranks_do_not_share_state():
     out = proc.process(b, _batch(0, [0], {"loss": [math.nan]}, rank=2), now=0.0)
     assert [al.key for al in out.alerts] == ["run-1/nonfinite/loss/2"]
     assert "loss" not in RankState().metrics
+
+
+def _rules(*, resolve_after: int):
+    """The default rules with another resolve_after everywhere."""
+    import dataclasses
+
+    from stream_processors.rules import default_rules
+
+    base = default_rules()
+    return dataclasses.replace(base, rules=tuple(dataclasses.replace(r, resolve_after=resolve_after) for r in base.rules))

@@ -7,6 +7,7 @@ from typing import Any
 
 from rankwatch.contract.codec import (
     SCHEMA_VERSION,
+    check_event,
     dumps,
     encode_float,
     field_of,
@@ -22,8 +23,13 @@ SEVERITIES = ("info", "warning", "critical")
 
 @dataclass(frozen=True)
 class Alert:
-    """One alert transition. ``key`` names the condition (same key for its firing and its resolve);
-    ``(key, status, incident)`` names the transition, so consumers can drop redeliveries."""
+    """One alert transition. ``key`` names the condition (same key for its firing and its resolve).
+
+    Conditions seen on several ranks at once are grouped: ``ranks`` lists every rank involved and
+    ``rank`` is that rank when there is exactly one, else null. A group that gains ranks while
+    firing is re-sent as ``firing`` with the longer list, so ``(key, status, incident, ranks)``
+    names a transition and lets consumers drop redeliveries.
+    """
 
     key: str
     run: str
@@ -38,6 +44,7 @@ class Alert:
     ts: float
     score: float = 1.0
     incident: int = 0  # step at which this condition started firing
+    ranks: tuple[int, ...] = ()
 
     KIND = "alert"
     TOPIC = ALERTS
@@ -49,12 +56,14 @@ class Alert:
             raise SchemaError(f"alert severity must be one of {SEVERITIES}, got {self.severity!r}")
 
     @staticmethod
-    def make_key(run: str, detector: str, metric: str, rank: int | None) -> str:
-        return f"{run}/{detector}/{metric}/{'all' if rank is None else rank}"
+    def make_key(run: str, detector: str, metric: str, rank: int | None = None) -> str:
+        """``run/detector/metric`` for a group or the whole run, ``run/detector/metric/rank`` for one rank."""
+        return f"{run}/{detector}/{metric}" if rank is None else f"{run}/{detector}/{metric}/{rank}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["value"] = encode_float(self.value)
+        d["ranks"] = list(self.ranks)
         return {"schema": SCHEMA_VERSION, "kind": self.KIND, **d}
 
     def to_bytes(self) -> bytes:
@@ -62,7 +71,11 @@ class Alert:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Alert:
-        obj = loads(data, cls.KIND)
+        return cls.from_dict(loads(data, cls.KIND))
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> Alert:
+        check_event(obj, cls.KIND)
         return cls(
             key=field_of(obj, "key", str),
             run=field_of(obj, "run", str),
@@ -77,4 +90,12 @@ class Alert:
             ts=float(field_of(obj, "ts", (int, float))),
             score=float_field(obj, "score", 1.0),
             incident=field_of(obj, "incident", int) if "incident" in obj else 0,
+            ranks=_ranks(obj),
         )
+
+
+def _ranks(obj: dict[str, Any]) -> tuple[int, ...]:
+    ranks = obj.get("ranks", [])
+    if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise SchemaError("field 'ranks' must be a list of integers")
+    return tuple(ranks)

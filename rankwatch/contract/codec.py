@@ -37,7 +37,13 @@ def dumps(obj: Mapping[str, Any]) -> bytes:
 
 
 def loads(data: bytes, kind: str) -> dict[str, Any]:
-    obj = decode_any(data)
+    return check_event(decode_any(data), kind)
+
+
+def check_event(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    """``obj`` if it is a current-schema event of ``kind``, else SchemaError."""
+    if not isinstance(obj, dict):
+        raise SchemaError(f"expected a JSON object, got {type(obj).__name__}")
     if type(obj.get("schema")) is not int or obj["schema"] != SCHEMA_VERSION:
         raise SchemaError(f"unsupported schema version {obj.get('schema')!r} (this is {SCHEMA_VERSION})")
     if obj.get("kind") != kind:

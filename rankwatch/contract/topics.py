@@ -7,3 +7,8 @@ REPORTS = "rankwatch.reports"
 CONTROL = "rankwatch.control"
 DEADLETTER = "rankwatch.deadletter"
 TOPICS = (TELEMETRY, EVAL_SHARDS, ALERTS, REPORTS, CONTROL, DEADLETTER)
+
+#: Between the processors' two stages (per-rank, then per-run). Internal: its schema may change
+#: between releases, and only rankwatch workers read it.
+RUN_EVENTS = "rankwatch.internal.run-events"
+INTERNAL_TOPICS = (RUN_EVENTS,)

@@ -1,0 +1,124 @@
+"""Grouping per-rank transitions into one alert per condition of a run (stage 2, keyed by run).
+
+When NaN reaches every rank through the all-reduce, eight ranks fire at one step; the user wants
+one alert that lists eight ranks. A group (one detector on one metric of a run) collects the ranks
+firing, waits ``group_wait_s`` for peers (or not at all once every rank of the run has fired),
+then emits one ``firing`` alert. Ranks that join later re-send it with the longer list. When the
+last rank resolves, one ``resolved`` alert names every rank the incident touched.
+
+Signals arrive at least once. Each rank's last applied transition is kept, so a replayed signal
+(same or older incident and status) changes nothing and re-emits nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from rankwatch.contract import Alert, RankSignal
+
+_ORDER = {"firing": 0, "resolved": 1}
+
+
+@dataclass
+class Group:
+    ranks: list[int] = field(default_factory=list)  # ranks firing now
+    touched: list[int] = field(default_factory=list)  # ranks that fired during this incident
+    emitted: list[int] = field(default_factory=list)  # ranks in the last emitted firing alert
+    pending_since: float | None = None  # wall time the first unsent rank arrived
+    first: dict | None = None  # the first firing signal of the incident (its alert, as a dict)
+    last_seen: dict[str, list] = field(default_factory=dict)  # rank -> [incident, status order]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunGroups:
+    world_size: int = 0
+    groups: dict[str, Group] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"world_size": self.world_size, "groups": {k: g.to_dict() for k, g in self.groups.items()}}
+
+    __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> RunGroups:
+        if not d:
+            return cls()
+        return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grouper:
+    group_wait_s: float = 0.1
+
+    def add(self, state: RunGroups, signal: RankSignal, now: float) -> list[Alert]:
+        """Apply one rank's transition; return alerts that are due now."""
+        a = signal.alert
+        state.world_size = max(state.world_size, signal.world_size)
+        gkey = Alert.make_key(a.run, a.detector, a.metric)
+        group = state.groups.setdefault(gkey, Group())
+        seen = group.last_seen.get(str(a.rank))
+        mark = [a.incident, _ORDER[a.status]]
+        if seen is not None and mark <= seen:
+            return []  # a replay
+        group.last_seen[str(a.rank)] = mark
+        if a.status == "firing":
+            if a.rank not in group.ranks:
+                group.ranks.append(a.rank)
+            if a.rank not in group.touched:
+                group.touched.append(a.rank)
+            if group.first is None:
+                group.first = a.to_dict()
+            if group.pending_since is None:
+                group.pending_since = now
+            if len(group.ranks) >= state.world_size:
+                return self._flush(gkey, group, now)
+            return []
+        if a.rank not in group.ranks:
+            return []
+        if len(group.ranks) > 1:
+            group.ranks.remove(a.rank)
+            return []
+        out = self._flush(gkey, group, now)  # a burst shorter than group_wait still gets reported
+        group.ranks.clear()
+        out.append(self._alert(gkey, group, Alert.from_dict(group.first), "resolved", a, now))
+        state.groups[gkey] = Group(last_seen=group.last_seen)
+        return out
+
+    def tick(self, state: RunGroups, now: float) -> list[Alert]:
+        """Alerts whose group wait has passed."""
+        out = []
+        for gkey, group in state.groups.items():
+            if group.pending_since is not None and now - group.pending_since >= self.group_wait_s:
+                out += self._flush(gkey, group, now)
+        return out
+
+    def _flush(self, gkey: str, group: Group, now: float) -> list[Alert]:
+        group.pending_since = None
+        if not set(group.ranks) - set(group.emitted) or group.first is None:
+            return []  # nothing new since the last alert of this incident
+        group.emitted = sorted(set(group.emitted) | set(group.ranks))
+        first = Alert.from_dict(group.first)
+        return [self._alert(gkey, group, first, "firing", first, now)]
+
+    @staticmethod
+    def _alert(gkey: str, group: Group, first: Alert, status: str, at: Alert, now: float) -> Alert:
+        ranks = tuple(sorted(group.ranks if status == "firing" else group.touched))
+        if len(ranks) == 1:
+            message = at.message
+        else:
+            shown = _ranks_text(ranks)
+            verb = "firing on" if status == "firing" else "resolved on all of"
+            message = f"{len(ranks)} ranks ({shown}) {verb}: {at.message}"
+        return Alert(
+            key=gkey, run=first.run, status=status, severity=first.severity, detector=first.detector,
+            metric=first.metric, rank=ranks[0] if len(ranks) == 1 else None, step=at.step, value=at.value,
+            message=message, ts=now, score=at.score, incident=first.incident, ranks=ranks,
+        )
+
+
+def _ranks_text(ranks: tuple[int, ...], limit: int = 16) -> str:
+    shown = ", ".join(map(str, ranks[:limit]))
+    return shown if len(ranks) <= limit else f"{shown}, … {len(ranks) - limit} more"

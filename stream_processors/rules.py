@@ -1,0 +1,124 @@
+"""Alert rules from a TOML file: which detector watches which metric, and the alert policy for it.
+
+The defaults ship as ``rules.default.toml`` beside this module; ``RANKWATCH_RULES`` points a
+worker at another file. Parsing is strict: an unknown key, detector or severity is an error
+naming the rule, raised when the worker starts rather than silently ignored at run time.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from rankwatch.contract import SEVERITIES
+from rankwatch.errors import RankwatchError
+from stream_processors import detectors
+from stream_processors.detectors import Detector
+
+DEFAULT_RULES_PATH = Path(__file__).with_name("rules.default.toml")
+_RULE_KEYS = {"metrics", "exclude", "detector", "params", "severity", "for", "resolve_after", "cooldown"}
+
+
+class RulesError(RankwatchError, ValueError):
+    """A rules file that cannot be used; the message names the rule and the problem."""
+
+
+def detector_classes() -> dict[str, type[Detector]]:
+    """Every detector by its ``name``: the names a rules file may use."""
+    classes = (getattr(detectors, n) for n in detectors.__all__)
+    return {c.name: c for c in classes if isinstance(c, type) and issubclass(c, Detector) and c.name}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    metrics: tuple[str, ...]
+    detector: str
+    exclude: tuple[str, ...] = ()
+    params: Mapping[str, Any] = field(default_factory=dict)
+    severity: str | None = None
+    for_: int = 1
+    resolve_after: int = 5
+    cooldown: int = 0
+
+    def matches(self, metric: str) -> bool:
+        def hit(patterns):
+            return any(fnmatch.fnmatchcase(metric, p) for p in patterns)
+
+        return hit(self.metrics) and not hit(self.exclude)
+
+    def build(self) -> Detector:
+        return detector_classes()[self.detector](**self.params)
+
+
+@dataclass(frozen=True)
+class Rules:
+    rules: tuple[Rule, ...]
+    group_wait_s: float = 0.25
+
+    def for_metric(self, metric: str) -> dict[str, Rule]:
+        """The rules that apply to ``metric``, by detector name (first matching rule per detector)."""
+        chosen: dict[str, Rule] = {}
+        for rule in self.rules:
+            if rule.detector not in chosen and rule.matches(metric):
+                chosen[rule.detector] = rule
+        return chosen
+
+    @classmethod
+    def from_toml(cls, text: str, source: str = "<rules>") -> Rules:
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise RulesError(f"{source}: not valid TOML: {exc}") from None
+        unknown = set(doc) - {"rule", "grouping"}
+        if unknown:
+            raise RulesError(f"{source}: unknown section(s) {sorted(unknown)}")
+        known = detector_classes()
+        rules = []
+        for i, raw in enumerate(doc.get("rule", []), 1):
+            where = f"{source}: rule {i}"
+            extra = set(raw) - _RULE_KEYS
+            if extra:
+                raise RulesError(f"{where}: unknown key(s) {sorted(extra)}")
+            if raw.get("detector") not in known:
+                raise RulesError(f"{where}: detector must be one of {sorted(known)}, got {raw.get('detector')!r}")
+            if raw.get("severity", "warning") not in SEVERITIES:
+                raise RulesError(f"{where}: severity must be one of {SEVERITIES}")
+            metrics = raw.get("metrics")
+            if not metrics or not all(isinstance(m, str) for m in metrics):
+                raise RulesError(f"{where}: metrics must be a non-empty list of glob patterns")
+            rule = Rule(
+                metrics=tuple(metrics), exclude=tuple(raw.get("exclude", ())), detector=raw["detector"],
+                params=dict(raw.get("params", {})), severity=raw.get("severity"),
+                for_=int(raw.get("for", 1)), resolve_after=int(raw.get("resolve_after", 5)),
+                cooldown=int(raw.get("cooldown", 0)),
+            )
+            if rule.for_ < 1 or rule.resolve_after < 1 or rule.cooldown < 0:
+                raise RulesError(f"{where}: need for >= 1, resolve_after >= 1, cooldown >= 0")
+            try:
+                rule.build()  # bad params fail now, with the detector's own message
+            except (TypeError, ValueError) as exc:
+                raise RulesError(f"{where}: bad params for {rule.detector}: {exc}") from None
+            rules.append(rule)
+        group_wait = float(doc.get("grouping", {}).get("group_wait_s", 0.25))
+        if group_wait < 0:
+            raise RulesError(f"{source}: group_wait_s must be >= 0")
+        return cls(tuple(rules), group_wait)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> Rules:
+        path = Path(path) if path else DEFAULT_RULES_PATH
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise RulesError(f"cannot read rules file {path}: {exc}") from None
+        return cls.from_toml(text, str(path))
+
+
+@lru_cache(maxsize=1)
+def default_rules() -> Rules:
+    return Rules.load()

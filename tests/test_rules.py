@@ -1,0 +1,57 @@
+"""Alert rules files: defaults, globs, strict validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from stream_processors.rules import Rules, RulesError, default_rules
+
+
+def test_defaults_watch_every_metric_for_nan_and_skip_spikes_on_flags():
+    rules = default_rules()
+    assert set(rules.for_metric("loss")) == {"nonfinite", "spike"}
+    assert set(rules.for_metric("ppo_actor/update/grad_norm")) == {"nonfinite", "spike"}
+    assert set(rules.for_metric("grad_nonfinite")) == {"nonfinite"}
+    assert rules.for_metric("loss")["nonfinite"].severity == "critical"
+
+
+def test_globs_first_rule_per_detector_wins_and_params_reach_the_detector():
+    rules = Rules.from_toml(
+        """
+        [[rule]]
+        metrics = ["ppo_actor/*/grad_norm"]
+        detector = "spike"
+        params = { window = 16, warmup = 8 }
+        for = 2
+
+        [[rule]]
+        metrics = ["*"]
+        detector = "spike"
+        """
+    )
+    chosen = rules.for_metric("ppo_actor/update/grad_norm")["spike"]
+    assert chosen.for_ == 2 and chosen.build().window == 16
+    assert rules.for_metric("loss")["spike"].params == {}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[[rule]]\nmetrics=['x']\ndetector='nope'", "detector must be one of"),
+        ("[[rule]]\nmetrics=['x']\ndetector='spike'\ncolour='red'", "unknown key(s) ['colour']"),
+        ("[[rule]]\nmetrics=[]\ndetector='spike'", "non-empty list"),
+        ("[[rule]]\nmetrics=['x']\ndetector='spike'\nseverity='panic'", "severity must be one of"),
+        ("[[rule]]\nmetrics=['x']\ndetector='spike'\nparams={window=1}", "bad params for spike"),
+        ("[[rule]]\nmetrics=['x']\ndetector='spike'\nfor=0", "for >= 1"),
+        ("[[rules]]\nmetrics=['x']", "unknown section"),
+        ("[[rule]\n", "not valid TOML"),
+    ],
+)
+def test_bad_rules_fail_with_a_message_naming_the_problem(text, message):
+    with pytest.raises(RulesError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
+        Rules.from_toml(text, "rules.toml")
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(RulesError, match="cannot read rules file"):
+        Rules.load(tmp_path / "absent.toml")
