@@ -111,6 +111,35 @@ def cmd_alerts(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_notify(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from sinks import JsonlSink, Notifier, TerminalSink, WebhookSink
+    from sinks.webhook import Secret
+
+    settings = _settings(args)
+    sinks = [] if args.quiet else [TerminalSink()]
+    if args.jsonl:
+        sinks.append(JsonlSink(args.jsonl))
+    if args.webhook:
+        url = os.environ.get("RANKWATCH_WEBHOOK_URL")
+        if not url:
+            raise RankwatchError("--webhook needs the URL in $RANKWATCH_WEBHOOK_URL (kept out of argv and logs)")
+        token = os.environ.get("RANKWATCH_WEBHOOK_TOKEN")
+        sinks.append(WebhookSink(Secret(url), format=args.format, token=Secret(token) if token else None))
+    if not sinks:
+        raise RankwatchError("nothing to deliver to: give --jsonl and/or --webhook, or drop --quiet")
+    state = Path(args.state) if args.state else Path(settings.data_dir) / "notify-offsets.json"
+    notifier = Notifier(sinks, run=args.run, state_path=state)
+    try:
+        notifier.follow(settings.bootstrap, follow=not args.once, from_beginning=args.from_beginning)
+    except KeyboardInterrupt:
+        pass
+    print(f"delivered {notifier.delivered}, failed {notifier.failed}", file=sys.stderr)
+    return 0 if not notifier.failed else 1
+
+
 def cmd_tail(args: argparse.Namespace) -> int:
     from sinks import read_topic
 
@@ -176,6 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new alerts until Ctrl-C")
     p.add_argument("--run", help="only alerts of this run")
     p.add_argument("--json", action="store_true", help="one JSON object per line, as on the wire")
+
+    p = add("notify", cmd_notify, "Deliver alerts to a JSONL file and/or a webhook (Slack, Alertmanager, JSON).")
+    bootstrap(p)
+    p.add_argument("--jsonl", metavar="PATH", help="append each alert as a JSON line to PATH")
+    p.add_argument("--webhook", action="store_true",
+                   help="POST alerts to $RANKWATCH_WEBHOOK_URL (bearer token from $RANKWATCH_WEBHOOK_TOKEN if set)")
+    p.add_argument("--format", choices=["json", "slack", "alertmanager"], default="json",
+                   help="webhook body: rankwatch JSON, Slack incoming-webhook, or Alertmanager webhook v4")
+    p.add_argument("--run", help="only alerts of this run")
+    p.add_argument("--from-beginning", action="store_true",
+                   help="start at the oldest alert the first time (later runs resume where they stopped)")
+    p.add_argument("--once", action="store_true", help="deliver what is there, then exit")
+    p.add_argument("--state", metavar="PATH", help="where to remember the read position "
+                   "(default: $RANKWATCH_DATA_DIR/notify-offsets.json)")
+    p.add_argument("-q", "--quiet", action="store_true", help="do not also print alerts to the terminal")
 
     p = add("tail", cmd_tail, "Print any rankwatch topic as JSON lines (the embedded broker does not speak to kcat).")
     bootstrap(p)

@@ -7,7 +7,7 @@ which the embedded broker answers wrongly; that check is right on every broker.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
@@ -23,8 +23,13 @@ def read_topic(
     from_beginning: bool = True,
     poll_ms: int = 100,
     stop_after_s: float | None = None,
+    offsets: Mapping[int, int] | None = None,
 ) -> Iterator[ConsumerRecord]:
-    """Yield the topic's records in per-partition order; stop when caught up unless ``follow``."""
+    """Yield the topic's records in per-partition order; stop when caught up unless ``follow``.
+
+    ``offsets`` (partition -> next offset) resumes where an earlier reader stopped; partitions
+    not in it start at the beginning or the end as ``from_beginning`` says.
+    """
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -43,6 +48,9 @@ def read_topic(
             consumer.seek_to_beginning(*tps)
         else:
             consumer.seek_to_end(*tps)
+        for tp in tps:
+            if offsets and tp.partition in offsets:
+                consumer.seek(tp, offsets[tp.partition])
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
         while deadline is None or time.monotonic() < deadline:
             got = consumer.poll(timeout_ms=poll_ms)

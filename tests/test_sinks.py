@@ -1,0 +1,177 @@
+"""Sinks: JSONL, webhook (JSON, Slack, Alertmanager) with retries, and the notifier's bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from conftest import consume_json
+from kafka import KafkaProducer
+
+from rankwatch import contract
+from rankwatch.contract import Alert, Series, TelemetryBatch
+from sinks import JsonlSink, Notifier, WebhookSink
+from sinks.webhook import DeliveryError, Secret
+
+SECRET_PATH = "/services/T000/B000/very-secret-token"
+
+
+def _alert(status: str = "firing", *, ranks=(0, 1), run: str = "r") -> Alert:
+    return Alert(key=f"{run}/nonfinite/loss", run=run, status=status, severity="critical", detector="nonfinite",
+                 metric="loss", rank=None, step=120, value=float("nan"), message="loss is NaN", ts=1_700_000_000.0,
+                 incident=120, ranks=tuple(ranks))
+
+
+class Receiver:
+    """A real HTTP server on loopback that answers with the given status codes, then 200."""
+
+    def __init__(self, codes=()):
+        self.codes, self.requests = list(codes), []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests.append((self.path, dict(self.headers), json.loads(body)))
+                self.send_response(outer.codes.pop(0) if outer.codes else 200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}{SECRET_PATH}"
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def receiver(request):
+    r = Receiver(getattr(request, "param", ()))
+    yield r
+    r.close()
+
+
+def _sink(receiver, **kw) -> WebhookSink:
+    return WebhookSink(Secret(receiver.url), backoff_s=0.0, sleep=lambda s: None, **kw)
+
+
+@pytest.mark.parametrize("receiver", [(500, 503, 429)], indirect=True)
+def test_webhook_retries_server_errors_then_delivers_without_logging_the_secret(receiver, caplog):
+    caplog.set_level(logging.DEBUG)
+    sink = _sink(receiver, token=Secret("tok-123"))
+    sink.add(_alert())
+    sink.flush()
+    assert len(receiver.requests) == 4
+    path, headers, body = receiver.requests[-1]
+    assert path == SECRET_PATH and headers["Authorization"] == "Bearer tok-123"
+    assert body["alerts"][0]["ranks"] == [0, 1] and body["alerts"][0]["value"] == "NaN"
+    logged = caplog.text + repr(sink.url) + str(sink.token)
+    assert "retrying" in caplog.text
+    assert "very-secret-token" not in logged and "tok-123" not in logged
+
+
+@pytest.mark.parametrize("receiver", [(400,)], indirect=True)
+def test_webhook_does_not_retry_a_client_error(receiver):
+    sink = _sink(receiver)
+    sink.add(_alert())
+    with pytest.raises(DeliveryError, match="HTTP 400") as info:
+        sink.flush()
+    assert len(receiver.requests) == 1 and "very-secret-token" not in str(info.value)
+
+
+def test_webhook_gives_up_after_its_retries():
+    sink = WebhookSink(Secret("http://127.0.0.1:9/x"), retries=2, backoff_s=0.0, sleep=lambda s: None, timeout_s=1)
+    sink.add(_alert())
+    with pytest.raises(DeliveryError, match="after 3 attempts"):
+        sink.flush()
+
+
+def test_slack_body_is_one_text_line_per_alert(receiver):
+    sink = _sink(receiver, format="slack")
+    sink.add(_alert())
+    sink.add(_alert("resolved"))
+    sink.flush()
+    [(_, _, body)] = receiver.requests
+    lines = body["text"].splitlines()
+    assert len(lines) == 2 and "FIRING" in lines[0] and "RESOLVED" in lines[1] and "loss is NaN" in lines[0]
+
+
+def test_alertmanager_body_follows_the_v4_webhook_format(receiver):
+    sink = _sink(receiver, format="alertmanager")
+    sink.add(_alert())
+    sink.flush()
+    [(_, _, body)] = receiver.requests
+    assert body["version"] == "4" and body["status"] == "firing" and body["receiver"] == "rankwatch"
+    [alert] = body["alerts"]
+    assert alert["labels"] == {"alertname": "nonfinite/loss", "run": "r", "detector": "nonfinite",
+                               "metric": "loss", "severity": "critical"}
+    assert alert["startsAt"] == "2023-11-14T22:13:20Z" and alert["annotations"]["ranks"] == "0,1"
+    assert body["commonLabels"]["run"] == "r" and len(alert["fingerprint"]) == 16
+
+
+def test_jsonl_lines_are_the_wire_form(tmp_path):
+    sink = JsonlSink(tmp_path / "out" / "alerts.jsonl")
+    sink.add(_alert())
+    sink.add(_alert("resolved"))
+    sink.flush()
+    back = [Alert.from_bytes(line.encode()) for line in (tmp_path / "out" / "alerts.jsonl").read_text().splitlines()]
+    assert [a.to_dict() for a in back] == [_alert().to_dict(), _alert("resolved").to_dict()]
+
+
+class ListSink:
+    def __init__(self):
+        self.got = []
+
+    def add(self, alert):
+        self.got.append(alert)
+
+    def flush(self):
+        pass
+
+
+def test_notifier_drops_redeliveries_and_filters_by_run():
+    sink = ListSink()
+    notifier = Notifier([sink], run="r")
+    for alert in [_alert(), _alert(), _alert(run="other"), _alert(ranks=(0, 1, 2)), _alert("resolved")]:
+        notifier.handle(alert)
+    assert [(a.status, a.ranks) for a in sink.got] == [("firing", (0, 1)), ("firing", (0, 1, 2)), ("resolved", (0, 1))]
+
+
+@pytest.mark.broker
+def test_notify_command_writes_jsonl_and_resumes_where_it_stopped(bootstrap, run_id, tmp_path):
+    def nan_batch(rank: int) -> TelemetryBatch:
+        return TelemetryBatch(run=run_id, rank=rank, world_size=2, producer=f"p{rank}", seq=0, ts=time.time(),
+                              series={"loss": Series(np.array([0]), np.array([float("nan")]))})
+
+    def publish(batch: TelemetryBatch) -> None:
+        producer = KafkaProducer(bootstrap_servers=bootstrap)
+        producer.send(contract.TELEMETRY, batch.to_bytes(), key=batch.key)
+        producer.flush()
+        producer.close()
+
+    def notify() -> list[dict]:
+        cmd = [sys.executable, "-m", "rankwatch", "notify", "--bootstrap", bootstrap, "--run", run_id, "--once",
+               "--from-beginning", "--quiet", "--jsonl", str(out), "--state", str(tmp_path / "offsets.json")]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+        return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+
+    out = tmp_path / "alerts.jsonl"
+    publish(nan_batch(0))
+    consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id)
+    first = notify()
+    assert [(a["metric"], a["ranks"]) for a in first] == [("loss", [0])]
+    assert notify() == first  # nothing delivered twice
+
+    publish(nan_batch(1))
+    consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["ranks"] == [0, 1])
+    assert [a["ranks"] for a in notify()] == [[0], [0, 1]]
