@@ -8,7 +8,7 @@ import time
 import faust
 
 from rankwatch import contract
-from rankwatch.contract import DeadLetter, RankSignal, TelemetryBatch
+from rankwatch.contract import DeadLetter, RankProgress, RankSignal, TelemetryBatch, decode_run_event
 from rankwatch.errors import SchemaError
 from rankwatch.settings import Settings
 from stream_processors.grouping import Grouper, RunGroups
@@ -67,6 +67,10 @@ def register(app: faust.App, settings: Settings) -> None:
             for alert in out.alerts:
                 signal = RankSignal(alert=alert, world_size=batch.world_size)
                 await run_events.send(key=signal.key, value=signal.to_bytes())
+            if out.last_step is not None:
+                progress = RankProgress(run=batch.run, rank=batch.rank, world_size=batch.world_size,
+                                        last_step=out.last_step, ts=batch.ts, series={})
+                await run_events.send(key=progress.key, value=progress.to_bytes())
             for rollup in out.rollups:
                 await reports.send(key=rollup.key, value=rollup.to_bytes())
 
@@ -82,16 +86,19 @@ def register(app: faust.App, settings: Settings) -> None:
     async def group_signals(stream):
         async for event in stream.events():
             try:
-                signal = RankSignal.from_bytes(event.value)
+                item = decode_run_event(event.value)
             except SchemaError as exc:
                 await dead_letter(event, f"invalid run event: {exc}")
                 continue
-            state = run_groups(signal.key)
-            due = grouper.add(state, signal, time.time())
-            run_state[signal.key] = state  # written before the alerts: a replay then finds them sent
+            state = run_groups(item.key)
+            if isinstance(item, RankSignal):
+                due = grouper.add(state, item, time.time())
+            else:
+                due = grouper.progress(state, item.rank, item.last_step, item.world_size, time.time())
+            run_state[item.key] = state  # written before the alerts: a replay then finds them sent
             await publish(due)
-            if any(g.pending_since is not None for g in state.groups.values()):
-                waiting.add(signal.key)
+            if state.waiting():
+                waiting.add(item.key)
 
     @app.timer(interval=max(0.01, min(grouper.group_wait_s / 2, 0.05)))
     async def flush_waiting_groups():
@@ -101,7 +108,7 @@ def register(app: faust.App, settings: Settings) -> None:
             if due:
                 run_state[key] = state
                 await publish(due)
-            if not any(g.pending_since is not None for g in state.groups.values()):
+            if not state.waiting():
                 waiting.discard(key)
 
     @app.on_partitions_revoked.connect

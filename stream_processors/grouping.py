@@ -2,9 +2,11 @@
 
 When NaN reaches every rank through the all-reduce, eight ranks fire at one step; the user wants
 one alert that lists eight ranks. A group (one detector on one metric of a run) collects the ranks
-firing, waits ``group_wait_s`` for peers (or not at all once every rank of the run has fired),
-then emits one ``firing`` alert. Ranks that join later re-send it with the longer list. When the
-last rank resolves, one ``resolved`` alert names every rank the incident touched.
+firing and sends one ``firing`` alert as soon as every rank of the run has been heard from at or
+past the step it started (each rank either fired or was fine there), so grouping costs no more
+latency than the slowest rank's telemetry. ``group_wait_s`` bounds the wait for a rank that is
+silent. Ranks that join later re-send the alert with the longer list. When the last rank
+resolves, one ``resolved`` alert names every rank the incident touched.
 
 Signals arrive at least once. Each rank's last applied transition is kept, so a replayed signal
 (same or older incident and status) changes nothing and re-emits nothing.
@@ -25,6 +27,7 @@ class Group:
     touched: list[int] = field(default_factory=list)  # ranks that fired during this incident
     emitted: list[int] = field(default_factory=list)  # ranks in the last emitted firing alert
     pending_since: float | None = None  # wall time the first unsent rank arrived
+    pending_step: int = 0  # step of the first unsent rank: the group is due when all ranks pass it
     first: dict | None = None  # the first firing signal of the incident (its alert, as a dict)
     last_seen: dict[str, list] = field(default_factory=dict)  # rank -> [incident, status order]
 
@@ -36,9 +39,14 @@ class Group:
 class RunGroups:
     world_size: int = 0
     groups: dict[str, Group] = field(default_factory=dict)
+    progress: dict[str, int] = field(default_factory=dict)  # rank -> last step applied by stage 1
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, "groups": {k: g.to_dict() for k, g in self.groups.items()}}
+        return {"world_size": self.world_size, "groups": {k: g.to_dict() for k, g in self.groups.items()},
+                "progress": self.progress}
+
+    def waiting(self) -> bool:
+        return any(g.pending_since is not None for g in self.groups.values())
 
     __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
 
@@ -46,12 +54,12 @@ class RunGroups:
     def from_dict(cls, d: dict | None) -> RunGroups:
         if not d:
             return cls()
-        return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()})
+        return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()}, d.get("progress", {}))
 
 
 @dataclass(frozen=True, kw_only=True)
 class Grouper:
-    group_wait_s: float = 0.1
+    group_wait_s: float = 1.0
 
     def add(self, state: RunGroups, signal: RankSignal, now: float) -> list[Alert]:
         """Apply one rank's transition; return alerts that are due now."""
@@ -72,8 +80,8 @@ class Grouper:
             if group.first is None:
                 group.first = a.to_dict()
             if group.pending_since is None:
-                group.pending_since = now
-            if len(group.ranks) >= state.world_size:
+                group.pending_since, group.pending_step = now, a.step
+            if len(group.ranks) >= state.world_size or self._all_past(state, group.pending_step):
                 return self._flush(gkey, group, now)
             return []
         if a.rank not in group.ranks:
@@ -86,6 +94,25 @@ class Grouper:
         out.append(self._alert(gkey, group, Alert.from_dict(group.first), "resolved", a, now))
         state.groups[gkey] = Group(last_seen=group.last_seen)
         return out
+
+    def progress(self, state: RunGroups, rank: int, step: int, world_size: int, now: float) -> list[Alert]:
+        """Stage 1 applied ``rank``'s telemetry up to ``step``; return groups this makes due."""
+        state.world_size = max(state.world_size, world_size)
+        key = str(rank)
+        if step <= state.progress.get(key, -1):
+            return []
+        state.progress[key] = step
+        out = []
+        for gkey, group in state.groups.items():
+            if group.pending_since is not None and self._all_past(state, group.pending_step):
+                out += self._flush(gkey, group, now)
+        return out
+
+    @staticmethod
+    def _all_past(state: RunGroups, step: int) -> bool:
+        if len(state.progress) < state.world_size:
+            return False
+        return all(state.progress.get(str(r), -1) >= step for r in range(state.world_size))
 
     def tick(self, state: RunGroups, now: float) -> list[Alert]:
         """Alerts whose group wait has passed."""

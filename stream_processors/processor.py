@@ -60,6 +60,7 @@ class RankState:
 class Output:
     alerts: list[Alert]
     rollups: list[Rollup]
+    last_step: int | None = None  # the highest step in the batch; None for a replay or no points
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,4 +111,5 @@ class TelemetryProcessor:
                 w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now)
                 for w in closed
             ]
-        return Output(alerts, rollups)
+        steps = [int(s.steps.max()) for s in batch.series.values() if len(s.steps)]
+        return Output(alerts, rollups, max(steps) if steps else None)

@@ -58,7 +58,7 @@ class Rule:
 @dataclass(frozen=True)
 class Rules:
     rules: tuple[Rule, ...]
-    group_wait_s: float = 0.25
+    group_wait_s: float = 1.0
 
     def for_metric(self, metric: str) -> dict[str, Rule]:
         """The rules that apply to ``metric``, by detector name (first matching rule per detector)."""
@@ -104,7 +104,7 @@ class Rules:
             except (TypeError, ValueError) as exc:
                 raise RulesError(f"{where}: bad params for {rule.detector}: {exc}") from None
             rules.append(rule)
-        group_wait = float(doc.get("grouping", {}).get("group_wait_s", 0.25))
+        group_wait = float(doc.get("grouping", {}).get("group_wait_s", 1.0))
         if group_wait < 0:
             raise RulesError(f"{source}: group_wait_s must be >= 0")
         return cls(tuple(rules), group_wait)

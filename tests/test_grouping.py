@@ -85,3 +85,24 @@ def test_state_survives_json_round_trip_mid_wait():
     grouper.add(state, _signal(2), now=0.01)  # replay after a restart: still one rank
     [alert] = grouper.tick(state, now=0.2)
     assert alert.ranks == (2,)
+
+
+def test_a_group_is_sent_once_every_rank_has_reported_past_its_step():
+    grouper, state = Grouper(group_wait_s=60.0), RunGroups()
+    for r in range(4):
+        grouper.progress(state, r, 119, 4, now=0.0)
+    assert grouper.add(state, _signal(2, world=4), now=0.0) == []
+    assert grouper.progress(state, 2, 120, 4, now=0.0) == []
+    assert grouper.progress(state, 0, 120, 4, now=0.0) == []
+    assert grouper.progress(state, 1, 121, 4, now=0.0) == []
+    [alert] = grouper.progress(state, 3, 120, 4, now=0.01)  # the last rank was fine at step 120
+    assert alert.ranks == (2,)
+    assert grouper.progress(state, 3, 121, 4, now=0.02) == []
+
+
+def test_a_silent_rank_delays_the_group_only_until_the_wait():
+    grouper, state = Grouper(group_wait_s=1.0), RunGroups()
+    grouper.add(state, _signal(0, world=2), now=0.0)
+    grouper.progress(state, 0, 120, 2, now=0.0)  # rank 1 never reports
+    assert grouper.tick(state, now=0.5) == []
+    assert len(grouper.tick(state, now=1.0)) == 1

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankwatch.contract.alerts import Alert
-from rankwatch.contract.codec import SCHEMA_VERSION, dumps, field_of, loads
+from rankwatch.contract.codec import SCHEMA_VERSION, decode_any, dumps, field_of, loads
+from rankwatch.contract.telemetry import Series, decode_series, encode_series
 from rankwatch.contract.topics import RUN_EVENTS
 
 
@@ -35,3 +36,45 @@ class RankSignal:
     def from_bytes(cls, data: bytes) -> RankSignal:
         obj = loads(data, cls.KIND)
         return cls(alert=Alert.from_dict(field_of(obj, "alert", dict)), world_size=field_of(obj, "world_size", int))
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """One rank's telemetry batch was applied: how far it got, when it was sent, and the values of
+    the metrics that stage 2 compares across ranks (``series``; may be empty)."""
+
+    run: str
+    rank: int
+    world_size: int
+    last_step: int
+    ts: float
+    series: dict[str, Series]
+
+    KIND = "rank_progress"
+    TOPIC = RUN_EVENTS
+
+    @property
+    def key(self) -> bytes:
+        return self.run.encode()
+
+    def to_bytes(self) -> bytes:
+        return dumps({
+            "schema": SCHEMA_VERSION, "kind": self.KIND, "run": self.run, "rank": self.rank,
+            "world_size": self.world_size, "last_step": self.last_step, "ts": self.ts,
+            "series": encode_series(self.series),
+        })
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RankProgress:
+        obj = loads(data, cls.KIND)
+        return cls(
+            run=field_of(obj, "run", str), rank=field_of(obj, "rank", int),
+            world_size=field_of(obj, "world_size", int), last_step=field_of(obj, "last_step", int),
+            ts=float(field_of(obj, "ts", (int, float))), series=decode_series(field_of(obj, "series", dict)),
+        )
+
+
+def decode_run_event(data: bytes) -> RankSignal | RankProgress:
+    """Either event of ``RUN_EVENTS``, by its kind."""
+    kind = decode_any(data).get("kind")
+    return (RankProgress if kind == RankProgress.KIND else RankSignal).from_bytes(data)

@@ -32,6 +32,28 @@ class Series:
     values: np.ndarray
 
 
+def encode_series(series: dict[str, Series]) -> dict:
+    return {n: {"steps": s.steps.tolist(), "values": [encode_float(v) for v in s.values.tolist()]}
+            for n, s in series.items()}
+
+
+def decode_series(raw_series: dict) -> dict[str, Series]:
+    series = {}
+    for name, raw in raw_series.items():
+        if not isinstance(raw, dict):
+            raise SchemaError(f"series {name!r} must be an object")
+        steps, values = field_of(raw, "steps", list), field_of(raw, "values", list)
+        if len(steps) != len(values):
+            raise SchemaError(f"series {name!r}: {len(steps)} steps but {len(values)} values")
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+            raise SchemaError(f"series {name!r}: steps must be integers")
+        series[name] = Series(
+            steps=np.asarray(steps, dtype=np.int64),
+            values=np.fromiter((decode_float(v) for v in values), dtype=np.float64, count=len(values)),
+        )
+    return series
+
+
 @dataclass(frozen=True)
 class TelemetryBatch:
     run: str
@@ -60,10 +82,7 @@ class TelemetryBatch:
                 "producer": self.producer,
                 "seq": self.seq,
                 "ts": self.ts,
-                "series": {
-                    name: {"steps": s.steps.tolist(), "values": [encode_float(v) for v in s.values.tolist()]}
-                    for name, s in self.series.items()
-                },
+                "series": encode_series(self.series),
             }
         )
 
@@ -75,19 +94,7 @@ class TelemetryBatch:
         if not 0 <= rank < world_size:
             raise SchemaError(f"rank {rank} outside world_size {world_size}")
         raw_series = field_of(obj, "series", dict)
-        series = {}
-        for name, raw in raw_series.items():
-            if not isinstance(raw, dict):
-                raise SchemaError(f"series {name!r} must be an object")
-            steps, values = field_of(raw, "steps", list), field_of(raw, "values", list)
-            if len(steps) != len(values):
-                raise SchemaError(f"series {name!r}: {len(steps)} steps but {len(values)} values")
-            if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
-                raise SchemaError(f"series {name!r}: steps must be integers")
-            series[name] = Series(
-                steps=np.asarray(steps, dtype=np.int64),
-                values=np.fromiter((decode_float(v) for v in values), dtype=np.float64, count=len(values)),
-            )
+        series = decode_series(raw_series)
         return cls(
             run=field_of(obj, "run", str),
             rank=rank,

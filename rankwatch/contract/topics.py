@@ -11,4 +11,6 @@ TOPICS = (TELEMETRY, EVAL_SHARDS, ALERTS, REPORTS, CONTROL, DEADLETTER)
 #: Between the processors' two stages (per-rank, then per-run). Internal: its schema may change
 #: between releases, and only rankwatch workers read it.
 RUN_EVENTS = "rankwatch.internal.run-events"
-INTERNAL_TOPICS = (RUN_EVENTS,)
+#: Finished eval reports re-keyed by run, from the per-evaluation stage to the per-run one.
+EVAL_RUN_EVENTS = "rankwatch.internal.eval-runs"
+INTERNAL_TOPICS = (RUN_EVENTS, EVAL_RUN_EVENTS)
