@@ -80,7 +80,10 @@ def register(app: faust.App, settings: Settings) -> None:
 
     def run_groups(key: bytes) -> RunGroups:
         state = run_state.get(key)
-        return state if isinstance(state, RunGroups) else RunGroups.from_dict(state)
+        if not isinstance(state, RunGroups):  # first sight, or recovered from the changelog as a dict
+            state = RunGroups.from_dict(state)
+            run_state[key] = state  # the memory store keeps this object; progress lives on it
+        return state
 
     @app.agent(run_events, name="run-events")
     async def group_signals(stream):
@@ -95,7 +98,8 @@ def register(app: faust.App, settings: Settings) -> None:
                 due = grouper.add(state, item, time.time())
             else:
                 due = grouper.progress(state, item.rank, item.last_step, item.world_size, time.time())
-            run_state[item.key] = state  # written before the alerts: a replay then finds them sent
+            if due or isinstance(item, RankSignal):
+                run_state[item.key] = state  # written before the alerts: a replay then finds them sent
             await publish(due)
             if state.waiting():
                 waiting.add(item.key)

@@ -39,11 +39,12 @@ class Group:
 class RunGroups:
     world_size: int = 0
     groups: dict[str, Group] = field(default_factory=dict)
-    progress: dict[str, int] = field(default_factory=dict)  # rank -> last step applied by stage 1
+    # rank -> last step applied by stage 1. Kept in memory only: it changes with every batch of every
+    # rank, and after a restart the next batches rebuild it (a group then waits at most group_wait_s).
+    progress: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, "groups": {k: g.to_dict() for k, g in self.groups.items()},
-                "progress": self.progress}
+        return {"world_size": self.world_size, "groups": {k: g.to_dict() for k, g in self.groups.items()}}
 
     def waiting(self) -> bool:
         return any(g.pending_since is not None for g in self.groups.values())
@@ -54,7 +55,7 @@ class RunGroups:
     def from_dict(cls, d: dict | None) -> RunGroups:
         if not d:
             return cls()
-        return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()}, d.get("progress", {}))
+        return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()})
 
 
 @dataclass(frozen=True, kw_only=True)

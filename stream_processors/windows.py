@@ -27,6 +27,8 @@ class Window:
 
     def add(self, values: np.ndarray) -> None:
         """Merge a block of values (Chan et al.'s parallel update: one pass, numerically stable)."""
+        if len(values) == 1:
+            return self._add_one(float(values[0]))
         finite = values[np.isfinite(values)]
         self.nonfinite += len(values) - len(finite)
         if len(values):
@@ -43,6 +45,19 @@ class Window:
         self.count = total
         self.min = min(self.min, float(finite.min()))
         self.max = max(self.max, float(finite.max()))
+
+    def _add_one(self, x: float) -> None:
+        # Welford's update; one point per message is common (one step per batch) and numpy's
+        # fixed cost per call would dominate it.
+        self.last = x
+        if not math.isfinite(x):
+            self.nonfinite += 1
+            return
+        self.count += 1
+        delta = x - self.mean
+        self.mean += delta / self.count
+        self.m2 += delta * (x - self.mean)
+        self.min, self.max = min(self.min, x), max(self.max, x)
 
     def to_rollup(self, *, run: str, rank: int, metric: str, width: int, now: float) -> Rollup:
         std = math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0
@@ -70,9 +85,13 @@ def roll(window: Window | None, steps: np.ndarray, values: np.ndarray, width: in
     if not len(steps):
         return window, closed
     index = steps // width
-    # Points arrive in step order within a rank; split where the window index changes.
-    cuts = np.flatnonzero(np.diff(index)) + 1
-    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(steps)]):
+    if index[0] == index[-1]:
+        bounds = [(0, len(steps))]  # the usual case, without numpy's per-call overhead on tiny arrays
+    else:
+        # Points arrive in step order within a rank; split where the window index changes.
+        cuts = (np.flatnonzero(np.diff(index)) + 1).tolist()
+        bounds = list(zip([0, *cuts], [*cuts, len(steps)]))
+    for lo, hi in bounds:
         k = int(index[lo])
         if window is not None and k != window.index:
             if k < window.index:

@@ -149,3 +149,19 @@ def test_rollup_of_a_closed_window_is_wire_ready():
     r = w.to_rollup(run="run-9", rank=3, metric="loss", width=50, now=7.0)
     assert (r.run, r.rank, r.metric, r.start_step, r.end_step, r.ts) == ("run-9", 3, "loss", 50, 100, 7.0)
     assert Rollup.from_bytes(r.to_bytes()) == r
+
+
+def test_one_point_at_a_time_gives_the_same_statistics_as_one_block():
+    rng = np.random.default_rng(3)
+    values = rng.normal(5.0, 2.0, 40)
+    values[[7, 19]] = [np.nan, np.inf]
+    one = Window(index=0)
+    for v in values:
+        one.add(np.array([v]))
+    block = Window(index=0)
+    block.add(values)
+    finite = values[np.isfinite(values)]
+    for w in (one, block):
+        assert (w.count, w.nonfinite) == (38, 2)
+        assert w.mean == pytest.approx(finite.mean()) and w.m2 == pytest.approx(((finite - finite.mean()) ** 2).sum())
+        assert (w.min, w.max) == (finite.min(), finite.max()) and w.last == values[-1]
