@@ -25,17 +25,54 @@ _MUTABLE = (list, dict, set, bytearray, np.ndarray)
 @dataclass(frozen=True)
 class Data:
     """Points for one detector: ``normal`` is long enough to pass warm-up twice over, ``spike`` is
-    a value the detector must score as anomalous once warmed up (NaN for a non-finite detector)."""
+    a value the detector must score as anomalous once warmed up (NaN for a non-finite detector).
+
+    For a series detector ``normal`` is 1-D and a point is one value. For a cross-rank detector it
+    is 2-D (steps x ranks), a point is one row, and the spike replaces the value of ``rank``.
+    """
 
     normal: np.ndarray
     spike: float
+    rank: int = 0
+
+    @property
+    def at(self) -> int:
+        """Where the spike goes: the middle of the second half."""
+        return (3 * len(self.normal)) // 4
+
+    def spike_point(self) -> np.ndarray:
+        """A batch of one point holding the spike."""
+        if self.normal.ndim == 1:
+            return np.array([self.spike])
+        row = self.normal[self.at].copy()
+        row[self.rank] = self.spike
+        return row[None, :]
+
+    def spike_of(self, scores: np.ndarray):
+        """The spike's own score within the scores of one point."""
+        return scores if self.normal.ndim == 1 else scores[self.rank]
+
+    def _nonfinite_points(self) -> np.ndarray:
+        if self.normal.ndim == 1:
+            return np.array([np.nan, np.inf, -np.inf])
+        rows = np.repeat(self.normal[:1], 3, axis=0)
+        rows[:, self.rank] = [np.nan, np.inf, -np.inf]
+        return rows
 
     @property
     def with_spike(self) -> np.ndarray:
         """Normal points with the spike in the middle of the second half, plus every non-finite kind."""
-        n = len(self.normal)
-        at = (3 * n) // 4
-        return np.r_[self.normal[:at], self.spike, self.normal[at:], np.nan, np.inf, -np.inf]
+        at = self.at
+        return np.concatenate([self.normal[:at], self.spike_point(), self.normal[at:], self._nonfinite_points()])
+
+    def split(self, scores: np.ndarray, warmup: int) -> tuple[float, np.ndarray]:
+        """The spike's score in ``scores`` of ``with_spike``, and every normal point's score after warm-up."""
+        at, n = self.at, len(self.normal)
+        normal = np.concatenate([scores[warmup:at].ravel(), scores[at + 1 : n + 1].ravel()])
+        if self.normal.ndim == 1:
+            return float(scores[at]), normal
+        others = np.delete(scores[at], self.rank)
+        return float(scores[at, self.rank]), np.concatenate([normal, others])
 
 
 def _readonly(values: np.ndarray) -> np.ndarray:
@@ -163,26 +200,22 @@ def check_warmup_scores_zero(factory: Factory, data: Data) -> None:
     """During warm-up every score is 0, even a spike's; with no warm-up the first point already counts."""
     d = factory()
     warmup = _warmup(d)
+    spike = _readonly(data.spike_point())
     if warmup:
-        x = _readonly(np.r_[data.normal[: warmup - 1], data.spike])
-        np.testing.assert_array_equal(d.update(x), np.zeros(warmup))
-        # Warm-up over, the next spike is scored.
-        assert d.update(_readonly(np.array([data.spike])))[0] > 0.0
-    else:
-        assert d.update(_readonly(np.array([data.spike])))[0] > 0.0
+        x = _readonly(np.concatenate([data.normal[: warmup - 1], spike]))
+        np.testing.assert_array_equal(d.update(x), np.zeros(x.shape))
+    # Warm-up over (or none), the next spike is scored.
+    assert data.spike_of(d.update(spike)[0]) > 0.0
 
 
 def check_spike_outscores_normal(factory: Factory, data: Data) -> None:
     """After warm-up, the spike scores above every normal point and is decided anomalous; they are not."""
     d = factory()
-    x = _readonly(data.with_spike)
-    scores = d.update(x)
-    at = (3 * len(data.normal)) // 4
-    normal = np.r_[scores[_warmup(d) : at], scores[at + 1 : len(data.normal) + 1]]
-    assert scores[at] > normal.max(), (scores[at], normal.max())
-    decided = d.decide(scores)
-    assert decided[at]
-    assert not decided[_warmup(d) : at].any() and not decided[at + 1 : len(data.normal) + 1].any()
+    scores = d.update(_readonly(data.with_spike))
+    spike, normal = data.split(scores, _warmup(d))
+    assert spike > normal.max(), (spike, normal.max())
+    assert d.decide(np.array([spike]))[0]
+    assert not d.decide(normal).any()
 
 
 CHECKS = [

@@ -6,11 +6,17 @@ point against the state before it and then learns it, in order, and is the only 
 makes. ``threshold`` turns scores into decisions; detectors never alert (policies do).
 State round-trips through ``state_dict()`` / ``from_state()`` as JSON-able numbers, so it fits a
 Faust table.
+
+Two detectors read the "values" differently and say so: ``CrossRank`` takes one value per rank at
+one step (a row; a 2-D array is a batch of steps) and scores each rank; ``Stall`` scores durations
+of silence and adds ``observe(rank, ts)`` / ``check(now)`` for tracking heartbeats.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -23,6 +29,8 @@ class Detector(ABC):
     threshold: float = 0.5
     #: Severity of alerts raised from this detector's decisions.
     severity: str = "warning"
+    #: Conformance checks that do not apply to this detector, each with the reason.
+    skip_checks: Mapping[str, str] = MappingProxyType({})
 
     @abstractmethod
     def score(self, values: np.ndarray) -> np.ndarray:
@@ -53,5 +61,5 @@ class Detector(ABC):
         return cls(**state)
 
     def __repr__(self) -> str:
-        params = {k: v for k, v in self.state_dict().items() if not isinstance(v, list)}
+        params = {k: v for k, v in self.state_dict().items() if not isinstance(v, (list, dict))}
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in params.items())})"

@@ -1,0 +1,189 @@
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from stream_processors.detectors.base import Detector
+from stream_processors.detectors.scoring import (
+    MAD_TO_SIGMA,
+    check_direction,
+    directed,
+    median_rows,
+    standardise,
+    z_score,
+)
+
+# E|a - b| = 2 sigma / sqrt(pi) for two iid normal values: this turns |a - b| into a sigma.
+_PAIR_TO_SIGMA = math.sqrt(math.pi) / 2.0
+_MEAN_ABS_TO_SIGMA = math.sqrt(math.pi / 2.0)
+
+
+class CrossRank(Detector):
+    """One value per rank at one step: which ranks are outliers against their peers (stragglers, divergence).
+
+    Input is a row of ``n_ranks`` values (or a 2-D array, one row per step); the output has the
+    same shape, one score per rank. Non-finite entries are missing ranks: they score 0 and are not
+    learned (``nonfinite`` reports them).
+
+    With three or more reporting ranks a rank is compared with the peer median, in units of the
+    larger of the step's MAD-sigma across ranks and the typical cross-rank sigma learned over past
+    steps (so three ranks that happen to agree closely do not make the third look wild); the
+    median cannot be dragged by a minority of bad ranks, whatever their number. With exactly two
+    ranks the median sits halfway and both deviate equally, so the data cannot say which one is
+    wrong: a rank then scores only as much as it also deviates from its *own* history (an
+    exponentially weighted mean and mean absolute deviation per rank, weight ``alpha``), and the
+    rank that changed is named. Scores are ``2*Phi(|z| / z_scale) - 1``; the default threshold
+    0.99 with ``z_scale=3`` fires at |z| > 7.7. ``min_rel`` floors the unit at that fraction of
+    the peer median: with 0.02 for step time, a rank must be about 15% slower than its peers, on
+    the steadiest cluster, to be called a straggler. ``direction="up"`` suits step time (only
+    slow ranks are stragglers); "both" suits loss and grad norm (a diverging rank goes either way).
+
+    Scoring 1,024 ranks costs two medians of 1,024 values per step.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> d = CrossRank(direction="up")
+    >>> steps = rng.normal(1.0, 0.01, size=(30, 8))
+    >>> steps[-1, 5] = 1.5  # rank 5 straggles on the last step
+    >>> flagged = d.decide(d.update(steps))
+    >>> np.argwhere(flagged).tolist()
+    [[29, 5]]
+    """
+
+    name = "crossrank"
+    severity = "warning"
+
+    def __init__(
+        self,
+        *,
+        warmup: int = 10,
+        alpha: float = 0.05,
+        z_scale: float = 3.0,
+        threshold: float = 0.99,
+        clip: float = 3.0,
+        min_rel: float = 0.0,
+        min_scale: float = 1e-9,
+        direction: str = "both",
+        steps: int = 0,
+        spread: float = 0.0,
+        rank_mean: Sequence[float] = (),
+        rank_dev: Sequence[float] = (),
+        rank_seen: Sequence[int] = (),
+    ):
+        if warmup < 2 or not 0 < alpha < 1 or z_scale <= 0 or clip <= 0:
+            raise ValueError("need warmup >= 2, 0 < alpha < 1, z_scale > 0, clip > 0")
+        if min_rel < 0 or min_scale < 0 or not 0 < threshold < 1:
+            raise ValueError("need min_rel >= 0, min_scale >= 0, 0 < threshold < 1")
+        check_direction(direction)
+        if not len(rank_mean) == len(rank_dev) == len(rank_seen):
+            raise ValueError("rank_mean, rank_dev and rank_seen need one entry per rank")
+        self.warmup, self.alpha, self.z_scale, self.threshold = warmup, alpha, z_scale, threshold
+        self.clip, self.min_rel, self.min_scale, self.direction = clip, min_rel, min_scale, direction
+        self.steps, self.spread = int(steps), float(spread)
+        self.rank_mean = np.array(rank_mean, dtype=np.float64)
+        self.rank_dev = np.array(rank_dev, dtype=np.float64)
+        self.rank_seen = np.array(rank_seen, dtype=np.int64)
+
+    @staticmethod
+    def _rows(values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, dtype=np.float64)
+        if values.ndim not in (1, 2):
+            raise ValueError("CrossRank takes one row of per-rank values, or a 2-D array of rows")
+        return np.atleast_2d(values)
+
+    def _peer_unit(self, median: float, step_sigma: float) -> float:
+        return max(step_sigma, self.spread, self.min_scale, self.min_rel * abs(median))
+
+    def _step_sigma(self, finite: np.ndarray, median: float) -> float:
+        """This step's cross-rank sigma: MAD-based from three ranks on, pair-based for two."""
+        if len(finite) == 2:
+            return abs(finite[0] - finite[1]) * _PAIR_TO_SIGMA
+        return float(median_rows(np.abs(finite - median)[None, :])[0]) / MAD_TO_SIGMA
+
+    def _self_z(self, row: np.ndarray) -> np.ndarray:
+        if len(self.rank_mean) != len(row):
+            return np.zeros(len(row))
+        unit = np.maximum(
+            np.maximum(self.rank_dev * _MEAN_ABS_TO_SIGMA, self.min_scale), self.min_rel * np.abs(self.rank_mean)
+        )
+        z = standardise(row, self.rank_mean, unit)
+        z[self.rank_seen < 2] = 0.0  # a rank with no history has no self-evidence
+        return z
+
+    def _score_row(self, row: np.ndarray) -> np.ndarray:
+        scores = np.zeros(len(row))
+        ok = np.isfinite(row)
+        finite = row[ok]
+        if self.steps < self.warmup or len(finite) < 2:
+            return scores
+        median = float(median_rows(finite[None, :])[0])
+        unit = self._peer_unit(median, self._step_sigma(finite, median) if len(finite) >= 3 else 0.0)
+        magnitude = directed(standardise(finite, median, unit), self.direction)
+        if len(finite) == 2:
+            magnitude = np.minimum(magnitude, directed(self._self_z(row)[ok], self.direction))
+        scores[ok] = z_score(magnitude, self.z_scale)
+        return scores
+
+    def score(self, values: np.ndarray) -> np.ndarray:
+        rows = self._rows(values)
+        out = np.array([self._score_row(row) for row in rows]).reshape(rows.shape)
+        return out if np.ndim(values) == 2 else out[0]
+
+    def _learn_row(self, row: np.ndarray) -> None:
+        if len(self.rank_mean) != len(row):  # a new world size: per-rank history starts over
+            self.rank_mean, self.rank_dev = np.zeros(len(row)), np.zeros(len(row))
+            self.rank_seen = np.zeros(len(row), dtype=np.int64)
+        ok = np.isfinite(row)
+        finite = row[ok]
+        if len(finite) >= 2:
+            median = float(median_rows(finite[None, :])[0])
+            sigma = self._step_sigma(finite, median)
+            if self.steps >= self.warmup and self.spread > 0:
+                sigma = min(sigma, self.clip * self.spread)  # a bad step nudges the typical spread only
+            weight = max(self.alpha, 1.0 / (self.steps + 1))
+            self.spread += weight * (sigma - self.spread)
+            self.steps += 1
+        # Per-rank running level and deviation, Huber-clipped once a rank has history.
+        seen = self.rank_seen[ok]
+        mean, dev = self.rank_mean[ok], self.rank_dev[ok]
+        resid = np.where(seen > 0, finite - mean, 0.0)
+        limit = self.clip * np.maximum(dev * _MEAN_ABS_TO_SIGMA, self.min_scale)
+        resid = np.where(seen >= self.warmup, np.clip(resid, -limit, limit), resid)
+        weight = np.maximum(self.alpha, 1.0 / (seen + 1))
+        self.rank_mean[ok] = np.where(seen > 0, mean + weight * resid, finite)
+        dev_weight = np.maximum(self.alpha, 1.0 / np.maximum(seen, 1))
+        self.rank_dev[ok] = np.where(seen > 0, dev + dev_weight * (np.abs(resid) - dev), 0.0)
+        self.rank_seen[ok] = seen + 1
+
+    def learn(self, values: np.ndarray) -> None:
+        for row in self._rows(values):
+            self._learn_row(row)
+
+    def update(self, values: np.ndarray) -> np.ndarray:
+        rows = self._rows(values)
+        out = np.empty(rows.shape)
+        for i, row in enumerate(rows):
+            out[i] = self._score_row(row)
+            self._learn_row(row)
+        return out if np.ndim(values) == 2 else out[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "warmup": self.warmup,
+            "alpha": self.alpha,
+            "z_scale": self.z_scale,
+            "threshold": self.threshold,
+            "clip": self.clip,
+            "min_rel": self.min_rel,
+            "min_scale": self.min_scale,
+            "direction": self.direction,
+            "steps": self.steps,
+            "spread": self.spread,
+            "rank_mean": self.rank_mean.tolist(),
+            "rank_dev": self.rank_dev.tolist(),
+            "rank_seen": self.rank_seen.tolist(),
+        }

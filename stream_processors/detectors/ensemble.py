@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from stream_processors.detectors.base import Detector
+from stream_processors.detectors.blowup import Blowup
+from stream_processors.detectors.collapse import Collapse
+from stream_processors.detectors.cusum import Cusum
+from stream_processors.detectors.ewma import EwmaResidual
+from stream_processors.detectors.nonfinite import NonFinite
+from stream_processors.detectors.page_hinkley import PageHinkley
+from stream_processors.detectors.spike import RobustSpike
+from stream_processors.detectors.stall import Stall
+from stream_processors.detectors.trend import Plateau, Trend
+
+#: Detectors an ensemble can hold: those that score one series.
+MEMBERS: dict[str, type[Detector]] = {
+    cls.name: cls
+    for cls in (NonFinite, RobustSpike, EwmaResidual, Cusum, PageHinkley, Trend, Plateau, Collapse, Blowup, Stall)
+}
+
+#: The general-purpose default: non-finite values at once, isolated spikes, and level shifts.
+DEFAULT_MEMBERS = ("nonfinite", "spike", "cusum")
+
+
+def normalise(scores: np.ndarray, threshold: float) -> np.ndarray:
+    """Map scores piecewise-linearly so that ``threshold`` becomes 0.5 (0 and 1 stay put)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if threshold >= 1.0:  # a detector that only ever scores 0 or 1 (non-finite)
+        return np.where(scores >= 1.0, 1.0, 0.5 * scores)
+    return np.where(
+        scores < threshold, 0.5 * scores / threshold, 0.5 + 0.5 * (scores - threshold) / (1.0 - threshold)
+    )
+
+
+class Ensemble(Detector):
+    """Several series detectors as one: a point scores what its most alarmed member says.
+
+    Each member's score is rescaled piecewise-linearly so that its own threshold maps to 0.5,
+    and the ensemble scores their maximum: with the default threshold 0.5 it decides "anomalous"
+    exactly when any member does, and a threshold sweep (as NAB's optimiser does) moves all
+    members together. ``members`` lists ``[name, params]`` pairs (or bare names); the default,
+    ``nonfinite`` + ``spike`` + ``cusum``, is the general-purpose choice for a series nothing is
+    known about: it is what ``rankwatch score-series`` uses unless told otherwise. ``warmup`` is
+    the longest member's; a non-finite point scores 1 even then.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> d = Ensemble()
+    >>> x = np.r_[rng.normal(1.0, 0.01, 100), 2.0, rng.normal(1.0, 0.01, 50), np.nan]
+    >>> np.flatnonzero(d.decide(d.update(x))).tolist()
+    [100, 151]
+    """
+
+    name = "ensemble"
+    severity = "warning"
+
+    def __init__(self, *, members: Sequence[str | Sequence[Any]] | None = None, threshold: float = 0.5):
+        if not 0 < threshold < 1:
+            raise ValueError("need 0 < threshold < 1")
+        specs = [[m, {}] if isinstance(m, str) else list(m) for m in (DEFAULT_MEMBERS if members is None else members)]
+        if not specs:
+            raise ValueError("an ensemble needs at least one member")
+        self.members: list[Detector] = []
+        for spec in specs:
+            if len(spec) != 2 or spec[0] not in MEMBERS or not isinstance(spec[1], dict):
+                raise ValueError(f"a member is a detector name or [name, params]; names: {', '.join(MEMBERS)}")
+            self.members.append(MEMBERS[spec[0]](**spec[1]))
+        self.threshold = threshold
+
+    @property
+    def warmup(self) -> int:
+        return max(int(getattr(m, "warmup", 0)) for m in self.members)
+
+    def _combine(self, per_member: list[np.ndarray]) -> np.ndarray:
+        return np.max([normalise(s, m.threshold) for s, m in zip(per_member, self.members)], axis=0)
+
+    def score(self, values: np.ndarray) -> np.ndarray:
+        return self._combine([m.score(values) for m in self.members])
+
+    def learn(self, values: np.ndarray) -> None:
+        for m in self.members:
+            m.learn(values)
+
+    def update(self, values: np.ndarray) -> np.ndarray:
+        return self._combine([m.update(values) for m in self.members])
+
+    def __repr__(self) -> str:
+        return f"Ensemble(members={[m.name for m in self.members]!r}, threshold={self.threshold!r})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"members": [[m.name, m.state_dict()] for m in self.members], "threshold": self.threshold}

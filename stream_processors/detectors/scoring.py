@@ -1,0 +1,159 @@
+"""Shared arithmetic of the detectors: robust centre and scale, and the maps from statistics to [0, 1].
+
+Two maps keep scores comparable across detectors. ``z_score`` turns a standardised deviation into
+``2*Phi(|z| / z_scale) - 1``. ``ratio_score`` turns "statistic / its alarm limit" into
+``1 - 2**(-r**2)``, which is 0.5 exactly at the limit, so those detectors share ``threshold = 0.5``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.special import ndtr, ndtri
+
+#: MAD of a normal sample is 0.6745 sigma; dividing by this makes a MAD comparable to a std.
+MAD_TO_SIGMA = 0.6744897501960817
+
+DIRECTIONS = ("both", "up", "down")
+
+
+def check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
+
+
+def directed(z: np.ndarray, direction: str) -> np.ndarray:
+    """The deviation in the watched direction, as a non-negative magnitude (0 the other way)."""
+    if direction == "up":
+        return np.maximum(z, 0.0)
+    if direction == "down":
+        return np.maximum(-z, 0.0)
+    return np.abs(z)
+
+
+def median_rows(rows: np.ndarray) -> np.ndarray:
+    """The median of each row: ``np.median(rows, axis=1)`` without its per-call overhead."""
+    n = rows.shape[1]
+    lo, hi = (n - 1) // 2, n // 2
+    part = np.partition(rows, (lo, hi), axis=1)
+    return 0.5 * (part[:, lo] + part[:, hi])
+
+
+def _median_sorted(ordered: list[float]) -> float:
+    n = len(ordered)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) * 0.5
+
+
+def robust_level(history: list[float], min_scale: float) -> tuple[float, float]:
+    """Median and MAD-sigma of a short history, in plain Python (per-point numpy calls cost more).
+
+    The sigma is floored at ``min_scale`` absolutely and relative to the median.
+    """
+    median = _median_sorted(sorted(history))
+    sigma = _median_sorted(sorted([abs(v - median) for v in history])) / MAD_TO_SIGMA
+    return median, max(sigma, min_scale, min_scale * abs(median))
+
+
+#: Points of memory of the noise model: autocorrelation is a slow property of a metric.
+NOISE_MEMORY = 500
+
+
+def learn_noise(noise: list[float], history: list[float], x: float, clip: float) -> list[float]:
+    """Fold ``x`` into ``[var1, var2, count]``: exponentially weighted mean squares of the lag-1 and
+    lag-2 differences, each winsorised at ``clip`` of its own sigma once warm (an outlier's two
+    big differences move them a bounded step)."""
+    var1, var2, count = noise
+    if not history:
+        return [var1, var2, count]
+    count += 1
+    weight = max(1.0 / NOISE_MEMORY, 1.0 / count)
+    out = []
+    for lag, var in ((1, var1), (2, var2)):
+        if len(history) < lag:
+            out.append(var)
+            continue
+        d = x - history[-lag]
+        if count > 20 and var > 0:
+            d = min(abs(d), clip * math.sqrt(var))
+        out.append(var + weight * (d * d - var))
+    return [out[0], out[1], count]
+
+
+def long_run_sigma(noise: list[float]) -> float:
+    """The long-run sigma of the noise: how far a running sum of residuals wanders per sqrt(point).
+
+    For AR(1) noise with lag-one correlation ``rho``, ``Var(d1) = 2 sigma^2 (1 - rho)`` and
+    ``Var(d2) / Var(d1) = 1 + rho``; a running sum wanders ``sqrt((1 + rho) / (1 - rho))`` times
+    further than for iid noise of the same sigma. Differences barely feel a level shift or trend.
+    ``rho`` is clipped to [0, 0.9]. A cumulative detector divided by this does not mistake a
+    slowly wandering real metric for a shift.
+    """
+    var1, var2, _ = noise
+    if var1 <= 0:
+        return 0.0
+    rho = min(max(var2 / var1 - 1.0, 0.0), 0.9)
+    return math.sqrt(var1 * (1.0 + rho) / 2.0) / (1.0 - rho)
+
+
+def tail_sigma(rows: np.ndarray, median: np.ndarray, quantile: float, direction: str) -> np.ndarray:
+    """Sigma implied by the distance from the median to the ``quantile`` order statistic of each row
+    (upper, lower, or the larger of both for "both"); equal to the std for normal data.
+
+    A series with frequent bursts (a busy host's step time) has a wide tail, and its usual bursts
+    should not each be a spike; an isolated spike does not move a high order statistic.
+    """
+    n = rows.shape[1]
+    k = min(max(math.ceil(quantile * n) - 1, 0), n - 1)
+    z = float(ndtri(quantile))
+    if z <= 0:
+        return np.zeros(len(rows))
+    part = np.partition(rows, (n - 1 - k, k), axis=1)
+    upper, lower = (part[:, k] - median) / z, (median - part[:, n - 1 - k]) / z
+    if direction == "up":
+        return upper
+    if direction == "down":
+        return lower
+    return np.maximum(upper, lower)
+
+
+def trailing_windows(history: np.ndarray, window: int, first: int) -> list[np.ndarray]:
+    """For each index ``i >= first`` of ``history``, the (up to) ``window`` values before it, as
+    groups of equal-length rows: one 2-D array for the full windows, one row each for shorter ones."""
+    n = len(history)
+    short = [history[max(0, i - window) : i][None, :] for i in range(first, min(n, window))]
+    full_from = max(first, window)
+    if full_from < n:
+        full = np.lib.stride_tricks.sliding_window_view(history[:-1], window)[full_from - window :]
+        short.append(full)
+    return short
+
+
+def standardise(values: np.ndarray, center: float, scale: float) -> np.ndarray:
+    """``(values - center) / scale`` where a zero scale or an overflow gives ±inf, never NaN."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        z = (values - center) / scale
+    return np.nan_to_num(z, nan=0.0, posinf=np.inf, neginf=-np.inf)
+
+
+def standardise_one(x: float, center: float, scale: float) -> float:
+    """``standardise`` for one Python float, bit for bit (IEEE arithmetic is the same)."""
+    if scale > 0:
+        return (x - center) / scale
+    return 0.0 if x == center else math.copysign(math.inf, x - center)
+
+
+def directed_one(z: float, direction: str) -> float:
+    """``directed`` for one Python float."""
+    return max(z, 0.0) if direction == "up" else max(-z, 0.0) if direction == "down" else abs(z)
+
+
+def z_score(magnitude: np.ndarray, z_scale: float) -> np.ndarray:
+    """``2*Phi(m / z_scale) - 1`` for a non-negative deviation ``m``; infinite deviations score 1."""
+    return 2.0 * ndtr(np.asarray(magnitude, dtype=np.float64) / z_scale) - 1.0
+
+
+def ratio_score(ratio: np.ndarray) -> np.ndarray:
+    """``1 - 2**(-r**2)`` for ``r = statistic / limit >= 0``: 0 at rest, 0.5 at the limit, 1 far past it."""
+    r = np.minimum(np.asarray(ratio, dtype=np.float64), 1e6)  # r*r stays finite
+    return -np.expm1(-np.log(2.0) * r * r)
