@@ -15,8 +15,9 @@ def make_app(settings: Settings, *, flavor: str, partitions: int) -> faust.App:
     ``partitions`` must equal the telemetry topic's partition count: Faust co-partitions the state
     table with the stream it is updated from.
     """
-    from stream_processors import (
-        flows,  # flows import the app's topics; keep make_app importable alone
+    from stream_processors import (  # flows import the app's topics; keep make_app importable alone
+        eval_flows,
+        flows,
     )
 
     extra = {}
@@ -40,4 +41,5 @@ def make_app(settings: Settings, *, flavor: str, partitions: int) -> faust.App:
         **extra,
     )
     flows.register(app, settings)
+    eval_flows.register(app, settings)
     return app

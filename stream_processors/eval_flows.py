@@ -1,0 +1,175 @@
+"""Evaluation flows: decode, call the pure code in ``evaluation``, send. Nothing here decides anything.
+
+Two stages, each with one writer per key:
+
+1. ``eval-shards`` (key ``run/eval_id``): all chunks of one evaluation land on one partition, and
+   the ``eval-state`` table is keyed the same way. A timer ticks the evaluations of the partitions
+   this worker owns (deadlines, throttled reports, retention). Writing a table from a timer needs
+   ``use_partitioner=True``; with bytes keys, serialised raw, the producer's partitioner (murmur2,
+   like every Kafka client's default) puts each key's changelog on the partition its shards use.
+2. ``eval-runs`` (key ``run``): different evaluations of one run may be merged on different
+   partitions, so every non-provisional report is re-keyed by run onto an internal topic. There
+   the ``eval-runs`` table keeps the run's history; regression and every eval alert of the run are
+   decided in one place, and the eval-interval advice too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import faust
+from kafka.partitioner.default import murmur2
+
+from rankwatch import contract
+from rankwatch.contract import DeadLetter, EvalShard
+from rankwatch.contract.topics import EVAL_RUN_EVENTS
+from rankwatch.errors import SchemaError
+from rankwatch.settings import Settings
+from stream_processors.evaluation import (
+    EvalProcessor,
+    EvalState,
+    IntervalAdvisor,
+    RunState,
+    RunTracker,
+    RunUpdate,
+    ShardRejected,
+    StopRule,
+    parse_weights,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _raw_topic(app: faust.App, name: str) -> faust.TopicT:
+    return app.topic(name, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+
+
+def processors(settings: Settings) -> tuple[EvalProcessor, RunTracker]:
+    """The pure processors ``settings`` describe; ValueError on a bad setting."""
+    lower = frozenset(filter(None, (m.strip() for m in settings.eval_lower_is_better.split(","))))
+    merger = EvalProcessor(
+        deadline_s=settings.eval_deadline_s,
+        provisional_interval_s=settings.eval_provisional_interval_s,
+        primary_metric=settings.eval_primary_metric,
+        stop_rule=StopRule(target=settings.eval_ci_target, min_samples=settings.eval_min_samples),
+        alpha=settings.eval_alpha,
+        composite_weights=tuple(parse_weights(settings.eval_composite).items()),
+    )
+    tracker = RunTracker(
+        alpha=settings.eval_alpha, lower_is_better=lower, primary_metric=settings.eval_primary_metric,
+        advisor=IntervalAdvisor(min_interval=settings.eval_interval_min_steps,
+                                max_interval=settings.eval_interval_max_steps),
+    )
+    return merger, tracker
+
+
+def register(app: faust.App, settings: Settings) -> None:
+    shards = _raw_topic(app, contract.EVAL_SHARDS)
+    run_events = _raw_topic(app, EVAL_RUN_EVENTS)
+    reports = _raw_topic(app, contract.REPORTS)
+    alerts = _raw_topic(app, contract.ALERTS)
+    control = _raw_topic(app, contract.CONTROL)
+    deadletter = _raw_topic(app, contract.DEADLETTER)
+    evals = app.Table("eval-state", default=None, key_type=bytes, use_partitioner=True)
+    runs = app.Table("eval-runs", default=None, key_type=bytes)
+    merger, tracker = processors(settings)
+    warned_partitioner: list[bool] = []
+
+    async def dead_letter(event: faust.EventT, reason: str) -> None:
+        msg = event.message
+        log.warning("dead-lettered %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, reason)
+        letter = DeadLetter(reason, msg.topic, msg.partition, msg.offset, msg.value or b"", time.time())
+        await deadletter.send(key=msg.key, value=letter.to_bytes())
+
+    def eval_state(key: bytes) -> EvalState:
+        state = evals.get(key)
+        return state if isinstance(state, EvalState) else EvalState.from_dict(state)
+
+    async def publish(out) -> None:
+        for report in out.reports:
+            await reports.send(key=report.key, value=report.to_bytes())
+        for advice in out.controls:
+            await control.send(key=advice.key, value=advice.to_bytes())
+        for update in out.updates:
+            await run_events.send(key=update.report.run.encode(), value=update.to_bytes())
+
+    def check_partitioner(key: bytes, partition: int) -> None:
+        # The timer writes state to hash(key) % partitions; a producer with another partitioner
+        # would split an evaluation's state from its shards after a rebalance. Say so, once.
+        expected = (murmur2(key) & 0x7FFFFFFF) % app.conf.topic_partitions
+        if expected != partition and not warned_partitioner:
+            warned_partitioner.append(True)
+            log.error("eval shard %r arrived on partition %d, but its key hashes to %d: producers must use the "
+                      "default (murmur2) partitioner, or eval state may be lost on rebalance", key, partition, expected)
+
+    @app.agent(shards, name="eval-shards")
+    async def merge_shards(stream):
+        async for event in stream.events():
+            try:
+                shard = EvalShard.from_bytes(event.value)
+            except SchemaError as exc:
+                await dead_letter(event, f"invalid eval shard: {exc}")
+                continue
+            if event.message.key != shard.key:
+                await dead_letter(event, f"eval shard key must be {shard.key!r} (run/eval_id), got {event.message.key!r}")
+                continue
+            check_partitioner(shard.key, event.message.partition)
+            try:
+                state = eval_state(shard.key)
+                state.partition = event.message.partition
+                out = merger.apply(state, shard, time.time())
+            except ShardRejected as exc:
+                await dead_letter(event, str(exc))
+                continue
+            except Exception as exc:  # a bug must not stop the worker; the message is kept
+                log.exception("merging eval shard %r failed", shard.key)
+                await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
+                continue
+            if out.changed:
+                evals[shard.key] = state  # written before sending: a replay then finds it applied
+            await publish(out)
+
+    @app.timer(interval=max(0.2, min(1.0, settings.eval_deadline_s / 5)))
+    async def tick_evaluations():
+        if app.rebalancing:
+            return
+        owned = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == contract.EVAL_SHARDS}
+        now = time.time()
+        for key in list(evals.keys()):
+            raw = evals.get(key)
+            partition = raw.partition if isinstance(raw, EvalState) else (raw or {}).get("partition")
+            if partition not in owned:
+                continue  # a standby copy; its owner ticks it
+            try:
+                state = eval_state(key)
+                out = merger.tick(state, now)
+            except Exception:
+                log.exception("ticking evaluation %r failed", key)
+                continue
+            if out.changed or not isinstance(raw, EvalState):
+                evals[key] = state  # also keeps a state recovered as a dict decoded, not decoded every tick
+            await publish(out)
+
+    @app.agent(run_events, name="eval-runs")
+    async def track_runs(stream):
+        async for event in stream.events():
+            try:
+                update = RunUpdate.from_bytes(event.value)
+            except SchemaError as exc:
+                await dead_letter(event, str(exc))
+                continue
+            key = update.report.run.encode()
+            try:
+                state = runs.get(key)
+                state = state if isinstance(state, RunState) else RunState.from_dict(state)
+                out = tracker.apply(state, update, time.time())
+            except Exception as exc:
+                log.exception("tracking eval run %r failed", key)
+                await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
+                continue
+            runs[key] = state
+            for alert in out.alerts:
+                await alerts.send(key=alert.key.encode(), value=alert.to_bytes())
+            for advice in out.controls:
+                await control.send(key=advice.key, value=advice.to_bytes())
