@@ -9,6 +9,8 @@ import time
 
 from rankwatch import contract
 from rankwatch.errors import RankwatchError
+from rankwatch.score_series import add_arguments as score_series_arguments
+from rankwatch.score_series import cmd_score_series
 from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
 
 DESCRIPTION = """\
@@ -27,6 +29,7 @@ examples:
   rankwatch up                        # broker + worker + alert printer; Ctrl-C stops all of it
   rankwatch alerts --follow --run r1  # alerts of run r1 as they arrive
   rankwatch tail rankwatch.deadletter # any rankwatch topic, as JSON lines
+  rankwatch report --run r1           # eval reports of run r1: metrics with 95% CIs, per evaluation
 """
 
 
@@ -157,6 +160,19 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from sinks.eval_reports import as_json, format_table, read_reports
+
+    reports = read_reports(_settings(args).bootstrap, args.run)
+    if args.json:
+        print(json.dumps([as_json(r) for r in reports], indent=2))
+    elif reports:
+        print(format_table(reports))
+    else:
+        print(f"no eval reports for run {args.run!r} on {contract.REPORTS}", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import os
 
@@ -226,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("topic", choices=contract.TOPICS, metavar="TOPIC", help=f"one of: {', '.join(contract.TOPICS)}")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new messages until Ctrl-C")
     p.add_argument("--from-end", action="store_true", help="only messages that arrive from now on")
+
+    p = add("report", cmd_report, "Print a run's evaluation reports (the latest revision of each evaluation).")
+    bootstrap(p)
+    p.add_argument("--run", required=True, help="run id")
+    p.add_argument("--json", action="store_true", help="a JSON array of reports, oldest step first")
+
+    p = add("score-series", cmd_score_series, "Score a timestamp,value CSV with one detector: adds an anomaly_score column.")
+    score_series_arguments(p)
 
     p = add("demo", cmd_demo, "Train a small model on 4 CPU ranks, inject a NaN, and watch rankwatch catch it.")
     bootstrap(p, "; given, no embedded broker is started")

@@ -28,6 +28,25 @@ class Settings:
     data_dir: str = ".rankwatch"
     #: Alert rules file (TOML); empty means the defaults shipped with rankwatch.
     rules: str = ""
+    #: Seconds after an evaluation's first shard before it is reported with ``complete: false``.
+    eval_deadline_s: float = 60.0
+    #: At most one provisional (or amended) eval report per evaluation in this many seconds.
+    eval_provisional_interval_s: float = 1.0
+    #: The metric whose CI drives early stopping and eval-interval advice.
+    eval_primary_metric: str = "correct"
+    #: Advise stopping an evaluation when the primary metric's 95% CI half-width is at most this.
+    eval_ci_target: float = 0.01
+    #: ... but never before this many samples.
+    eval_min_samples: int = 200
+    #: Significance level of the cross-rank consistency and regression tests.
+    eval_alpha: float = 0.001
+    #: Composite score: "metric=weight,…" (weighted sum of metric means).
+    eval_composite: str = "correct=1"
+    #: Metrics where lower is better (for regression): comma-separated glob patterns.
+    eval_lower_is_better: str = "loss,*loss*,*error*,*perplexity*,*_time*,length"
+    #: Bounds of the suggested eval interval, in steps.
+    eval_interval_min_steps: int = 10
+    eval_interval_max_steps: int = 10_000
 
     def __post_init__(self) -> None:
         if self.broker_flavor not in FLAVORS:

@@ -14,6 +14,7 @@ from rankwatch.settings import Settings
 from stream_processors.grouping import Grouper, RunGroups
 from stream_processors.processor import RankState, TelemetryProcessor
 from stream_processors.rules import Rules
+from stream_processors.runwatch import RunWatch, RunWatcher
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ def register(app: faust.App, settings: Settings) -> None:
     processor = TelemetryProcessor(rollup_steps=settings.rollup_steps, rules=rules)
     grouper = Grouper(group_wait_s=rules.group_wait_s)
     waiting: set[bytes] = set()  # runs with groups inside their wait, on partitions this worker owns
+    watcher = RunWatcher(rules=rules)
+    watches: dict[bytes, RunWatch] = {}  # per run: cross-rank rows and stall clocks (memory only)
 
     async def dead_letter(event: faust.EventT, reason: str) -> None:
         msg = event.message
@@ -67,9 +70,10 @@ def register(app: faust.App, settings: Settings) -> None:
             for alert in out.alerts:
                 signal = RankSignal(alert=alert, world_size=batch.world_size)
                 await run_events.send(key=signal.key, value=signal.to_bytes())
-            if out.last_step is not None:
+            if out.last_step is not None or batch.final:
                 progress = RankProgress(run=batch.run, rank=batch.rank, world_size=batch.world_size,
-                                        last_step=out.last_step, ts=batch.ts, series={})
+                                        last_step=-1 if out.last_step is None else out.last_step, ts=batch.ts,
+                                        series=out.cross_rank, final=batch.final)
                 await run_events.send(key=progress.key, value=progress.to_bytes())
             for rollup in out.rollups:
                 await reports.send(key=rollup.key, value=rollup.to_bytes())
@@ -93,11 +97,14 @@ def register(app: faust.App, settings: Settings) -> None:
             except SchemaError as exc:
                 await dead_letter(event, f"invalid run event: {exc}")
                 continue
-            state = run_groups(item.key)
+            state, now = run_groups(item.key), time.time()
             if isinstance(item, RankSignal):
-                due = grouper.add(state, item, time.time())
+                due = grouper.add(state, item, now)
             else:
-                due = grouper.progress(state, item.rank, item.last_step, item.world_size, time.time())
+                due = grouper.progress(state, item.rank, item.last_step, item.world_size, now)
+                watch = watches.setdefault(item.key, RunWatch(run=item.run))
+                for alert in watcher.observe(watch, item, now):
+                    due += grouper.add(state, RankSignal(alert=alert, world_size=item.world_size), now)
             if due or isinstance(item, RankSignal):
                 run_state[item.key] = state  # written before the alerts: a replay then finds them sent
             await publish(due)
@@ -106,15 +113,32 @@ def register(app: faust.App, settings: Settings) -> None:
 
     @app.timer(interval=max(0.01, min(grouper.group_wait_s / 2, 0.05)))
     async def flush_waiting_groups():
+        now = time.time()
         for key in list(waiting):
             state = run_groups(key)
-            due = grouper.tick(state, time.time())
+            due = grouper.tick(state, now)
             if due:
                 run_state[key] = state
                 await publish(due)
             if not state.waiting():
                 waiting.discard(key)
 
+    @app.timer(interval=1.0)
+    async def check_run_watches():
+        now = time.time()
+        for key, watch in list(watches.items()):
+            alerts = watcher.tick(watch, now)
+            if alerts:
+                state = run_groups(key)
+                due = [a for alert in alerts
+                       for a in grouper.add(state, RankSignal(alert=alert, world_size=watch.world_size), now)]
+                run_state[key] = state
+                await publish(due)
+                if state.waiting():
+                    waiting.add(key)
+
     @app.on_partitions_revoked.connect
     async def forget_waiting(sender, revoked, **kwargs):
-        waiting.clear()  # the new owners pick their runs' groups up with the next signal
+        # The new owners pick their runs up with the next events; these live in memory only.
+        waiting.clear()
+        watches.clear()

@@ -78,10 +78,11 @@ class Grouper:
                 group.ranks.append(a.rank)
             if a.rank not in group.touched:
                 group.touched.append(a.rank)
-            if group.first is None:
-                group.first = a.to_dict()
+            if group.first is None or (not group.emitted and a.incident < group.first["incident"]):
+                group.first = a.to_dict()  # until sent, the incident is the earliest any rank saw
             if group.pending_since is None:
                 group.pending_since, group.pending_step = now, a.step
+            group.pending_step = min(group.pending_step, a.step)
             if len(group.ranks) >= state.world_size or self._all_past(state, group.pending_step):
                 return self._flush(gkey, group, now)
             return []

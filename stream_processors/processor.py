@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rankwatch.contract import Alert, Rollup, TelemetryBatch
+from rankwatch.contract import Alert, Rollup, Series, TelemetryBatch
 from stream_processors.detectors import Detector
 from stream_processors.policies import AlertPolicy, Condition
 from stream_processors.rules import Rule, Rules, default_rules, detector_classes
@@ -61,6 +61,7 @@ class Output:
     alerts: list[Alert]
     rollups: list[Rollup]
     last_step: int | None = None  # the highest step in the batch; None for a replay or no points
+    cross_rank: dict[str, Series] = field(default_factory=dict)  # values stage 2 compares across ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,7 @@ class TelemetryProcessor:
     rollup_steps: int = 50
     rules: Rules = field(default_factory=default_rules)
     _rules_by_metric: dict[str, dict[str, Rule]] = field(default_factory=dict, repr=False, compare=False)
+    _cross_rank_metrics: dict[str, bool] = field(default_factory=dict, repr=False, compare=False)
 
     def rules_for(self, metric: str) -> dict[str, Rule]:
         found = self._rules_by_metric.get(metric)
@@ -112,4 +114,11 @@ class TelemetryProcessor:
                 for w in closed
             ]
         steps = [int(s.steps.max()) for s in batch.series.values() if len(s.steps)]
-        return Output(alerts, rollups, max(steps) if steps else None)
+        cross = {m: s for m, s in batch.series.items() if self._cross_rank(m)}
+        return Output(alerts, rollups, max(steps) if steps else None, cross)
+
+    def _cross_rank(self, metric: str) -> bool:
+        found = self._cross_rank_metrics.get(metric)
+        if found is None:
+            found = self._cross_rank_metrics[metric] = self.rules.cross_rank_rule(metric) is not None
+        return found

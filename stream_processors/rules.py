@@ -28,10 +28,13 @@ class RulesError(RankwatchError, ValueError):
     """A rules file that cannot be used; the message names the rule and the problem."""
 
 
+#: Detectors that see every rank of a run at once; stage 2 runs them, stage 1 skips them.
+RUN_SCOPE = frozenset({"crossrank", "stall"})
+
+
 def detector_classes() -> dict[str, type[Detector]]:
     """Every detector by its ``name``: the names a rules file may use."""
-    classes = (getattr(detectors, n) for n in detectors.__all__)
-    return {c.name: c for c in classes if isinstance(c, type) and issubclass(c, Detector) and c.name}
+    return dict(detectors.BY_NAME)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +55,7 @@ class Rule:
         return hit(self.metrics) and not hit(self.exclude)
 
     def build(self) -> Detector:
-        return detector_classes()[self.detector](**self.params)
+        return detectors.build(self.detector, **self.params)
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,20 @@ class Rules:
     group_wait_s: float = 1.0
 
     def for_metric(self, metric: str) -> dict[str, Rule]:
-        """The rules that apply to ``metric``, by detector name (first matching rule per detector)."""
+        """The per-rank rules that apply to ``metric``, by detector name (first matching rule per detector)."""
         chosen: dict[str, Rule] = {}
         for rule in self.rules:
-            if rule.detector not in chosen and rule.matches(metric):
+            if rule.detector not in chosen and rule.detector not in RUN_SCOPE and rule.matches(metric):
                 chosen[rule.detector] = rule
         return chosen
+
+    def cross_rank_rule(self, metric: str) -> Rule | None:
+        """The first ``crossrank`` rule for ``metric``: stage 1 forwards its values to stage 2."""
+        return next((r for r in self.rules if r.detector == "crossrank" and r.matches(metric)), None)
+
+    @property
+    def stall(self) -> Rule | None:
+        return next((r for r in self.rules if r.detector == "stall"), None)
 
     @classmethod
     def from_toml(cls, text: str, source: str = "<rules>") -> Rules:

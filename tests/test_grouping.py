@@ -106,3 +106,12 @@ def test_a_silent_rank_delays_the_group_only_until_the_wait():
     grouper.progress(state, 0, 120, 2, now=0.0)  # rank 1 never reports
     assert grouper.tick(state, now=0.5) == []
     assert len(grouper.tick(state, now=1.0)) == 1
+
+
+def test_the_earliest_incident_names_the_group_even_when_it_arrives_second():
+    grouper, state = Grouper(group_wait_s=0.1), RunGroups()
+    grouper.add(state, _signal(3, incident=121, step=121), now=0.0)  # ranks' partitions race
+    grouper.add(state, _signal(2, incident=120, step=120), now=0.01)
+    [alert] = grouper.tick(state, now=0.2)
+    assert (alert.incident, alert.step, alert.ranks) == (120, 120, (2, 3))
+    assert "rank 2 at step 120" in alert.message

@@ -10,7 +10,10 @@ from stream_processors.rules import Rules, RulesError, default_rules
 def test_defaults_watch_every_metric_for_nan_and_skip_spikes_on_flags():
     rules = default_rules()
     assert set(rules.for_metric("loss")) == {"nonfinite", "spike"}
-    assert set(rules.for_metric("ppo_actor/update/grad_norm")) == {"nonfinite", "spike"}
+    assert set(rules.for_metric("ppo_actor/update/grad_norm")) == {"nonfinite", "spike", "blowup"}
+    assert set(rules.for_metric("step_time_s")) == {"nonfinite"}  # one slow step is not a fault
+    assert rules.cross_rank_rule("step_time_s").params["direction"] == "up"
+    assert rules.stall is not None and rules.cross_rank_rule("lr") is None
     assert set(rules.for_metric("grad_nonfinite")) == {"nonfinite"}
     assert rules.for_metric("loss")["nonfinite"].severity == "critical"
 
@@ -55,3 +58,10 @@ def test_bad_rules_fail_with_a_message_naming_the_problem(text, message):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(RulesError, match="cannot read rules file"):
         Rules.load(tmp_path / "absent.toml")
+
+
+def test_the_test_rules_are_the_defaults_with_a_longer_group_wait():
+    from conftest import TEST_RULES
+
+    test = Rules.load(TEST_RULES)
+    assert test.rules == default_rules().rules and test.group_wait_s == 2.0

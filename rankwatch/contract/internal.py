@@ -49,6 +49,7 @@ class RankProgress:
     last_step: int
     ts: float
     series: dict[str, Series]
+    final: bool = False  # the rank's publisher closed: stop watching it for stalls
 
     KIND = "rank_progress"
     TOPIC = RUN_EVENTS
@@ -61,7 +62,7 @@ class RankProgress:
         return dumps({
             "schema": SCHEMA_VERSION, "kind": self.KIND, "run": self.run, "rank": self.rank,
             "world_size": self.world_size, "last_step": self.last_step, "ts": self.ts,
-            "series": encode_series(self.series),
+            "series": encode_series(self.series), "final": self.final,
         })
 
     @classmethod
@@ -71,6 +72,7 @@ class RankProgress:
             run=field_of(obj, "run", str), rank=field_of(obj, "rank", int),
             world_size=field_of(obj, "world_size", int), last_step=field_of(obj, "last_step", int),
             ts=float(field_of(obj, "ts", (int, float))), series=decode_series(field_of(obj, "series", dict)),
+            final=field_of(obj, "final", bool) if "final" in obj else False,
         )
 
 

@@ -63,6 +63,7 @@ class TelemetryBatch:
     seq: int
     ts: float
     series: dict[str, Series] = field(default_factory=dict)
+    final: bool = False  # the publisher is closing: the rank stops on purpose, not a stall
 
     KIND = "telemetry"
     TOPIC = TELEMETRY
@@ -81,6 +82,7 @@ class TelemetryBatch:
                 "world_size": self.world_size,
                 "producer": self.producer,
                 "seq": self.seq,
+                "final": self.final,
                 "ts": self.ts,
                 "series": encode_series(self.series),
             }
@@ -101,6 +103,7 @@ class TelemetryBatch:
             world_size=world_size,
             producer=field_of(obj, "producer", str),
             seq=field_of(obj, "seq", int),
+            final=field_of(obj, "final", bool) if "final" in obj else False,
             ts=float(field_of(obj, "ts", (int, float))),
             series=series,
         )

@@ -1,0 +1,129 @@
+"""Stage 2's own detection: ranks compared with their peers at each step, and ranks that stop.
+
+Both need every rank of a run in one place, which only the run-keyed stage has. Input is the
+``RankProgress`` stage 1 sends per applied batch: the values of the metrics a ``crossrank`` rule
+watches, and the step reached. Output is per-rank alert transitions (the same ``AlertPolicy`` as
+stage 1), which stage 2 then groups like any other.
+
+A step's row is scored once every rank has reported it, or once ``row_wait_s`` has passed (the
+missing ranks count as missing, which ``crossrank`` skips). The state lives in memory: it changes
+with every batch of every rank, and after a restart a few steps of warm-up rebuild it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rankwatch.contract import Alert, RankProgress
+from stream_processors.detectors import CrossRank, Stall
+from stream_processors.policies import AlertPolicy, Condition
+from stream_processors.rules import Rule, Rules
+
+STALL_METRIC = "steps"  # what a stall alert is about: the rank stopped advancing steps
+
+
+@dataclass
+class _Track:
+    """One cross-rank metric of one run."""
+
+    rule: Rule
+    detector: CrossRank
+    rows: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> value
+    opened: dict[int, float] = field(default_factory=dict)  # step -> wall time of its first value
+    conditions: dict[int, Condition] = field(default_factory=dict)
+
+
+@dataclass
+class RunWatch:
+    run: str
+    world_size: int = 0
+    tracks: dict[str, _Track] = field(default_factory=dict)
+    stall: Stall | None = None
+    stall_conditions: dict[int | None, Condition] = field(default_factory=dict)
+    last_step: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunWatcher:
+    rules: Rules
+    row_wait_s: float = 5.0
+    max_rows: int = 256  # rows kept waiting per metric; older ones are scored with what they have
+
+    def observe(self, watch: RunWatch, progress: RankProgress, now: float) -> list[Alert]:
+        """Apply one rank's progress; return the per-rank transitions it completes."""
+        watch.world_size = max(watch.world_size, progress.world_size)
+        if progress.final:
+            if watch.stall is not None:
+                watch.stall.forget(progress.rank)
+        elif progress.last_step > watch.last_step.get(progress.rank, -1):
+            watch.last_step[progress.rank] = progress.last_step
+            if self.rules.stall is not None:
+                if watch.stall is None:
+                    watch.stall = self.rules.stall.build()
+                watch.stall.observe(progress.rank, now)  # arrival time: producer clocks may be skewed
+        alerts: list[Alert] = []
+        for metric, series in progress.series.items():
+            rule = self.rules.cross_rank_rule(metric)
+            if rule is None:
+                continue
+            track = watch.tracks.get(metric)
+            if track is None:
+                track = watch.tracks[metric] = _Track(rule, rule.build())
+            for step, value in zip(series.steps.tolist(), series.values.tolist()):
+                track.opened.setdefault(step, now)
+                track.rows.setdefault(step, {})[progress.rank] = value
+            alerts += self._score_ready(watch, metric, track, now)
+        return alerts
+
+    def tick(self, watch: RunWatch, now: float) -> list[Alert]:
+        """Rows whose wait ran out, and ranks that stopped; call this on a timer."""
+        alerts: list[Alert] = []
+        for metric, track in watch.tracks.items():
+            alerts += self._score_ready(watch, metric, track, now)
+        if watch.stall is not None and self.rules.stall is not None:
+            stalled = {s.rank: s for s in watch.stall.check(now)}
+            rule = self.rules.stall
+            policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)
+            for rank in set(watch.stall_conditions) | set(stalled):
+                s = stalled.get(rank)
+                step = watch.last_step.get(rank, -1) if rank is not None else max(watch.last_step.values(), default=-1)
+                alerts += policy.apply(
+                    watch.stall_conditions.setdefault(rank, Condition()),
+                    run=watch.run, rank=rank, metric=STALL_METRIC, detector="stall",
+                    severity=rule.severity or Stall.severity, steps=np.array([step]),
+                    values=np.array([s.silent_s if s else 0.0]), scores=np.array([s.score if s else 0.0]),
+                    anomalous=np.array([s is not None]), now=now,
+                )
+        return alerts
+
+    def _score_ready(self, watch: RunWatch, metric: str, track: _Track, now: float) -> list[Alert]:
+        n = watch.world_size
+        ready = sorted(
+            step for step, row in track.rows.items()
+            if len(row) >= n or now - track.opened[step] >= self.row_wait_s or len(track.rows) > self.max_rows
+        )
+        alerts: list[Alert] = []
+        rule = track.rule
+        policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)
+        for step in ready:
+            row = track.rows.pop(step)
+            track.opened.pop(step, None)
+            values = np.full(n, np.nan)
+            for rank, value in row.items():
+                if rank < n:
+                    values[rank] = value
+            scores = track.detector.update(values)
+            flagged = track.detector.decide(scores)
+            for rank in range(n):
+                if rank not in track.conditions and not flagged[rank]:
+                    continue  # conditions exist only for ranks that have been anomalous
+                alerts += policy.apply(
+                    track.conditions.setdefault(rank, Condition()),
+                    run=watch.run, rank=rank, metric=metric, detector=track.detector.name,
+                    severity=rule.severity or track.detector.severity, steps=np.array([step]),
+                    values=values[rank : rank + 1], scores=scores[rank : rank + 1],
+                    anomalous=flagged[rank : rank + 1], now=now,
+                )
+        return alerts

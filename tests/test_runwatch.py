@@ -1,0 +1,61 @@
+"""Stage 2's cross-rank and stall detection, on the pure RunWatcher with an injected clock."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rankwatch.contract import RankProgress, Series
+from stream_processors.rules import default_rules
+from stream_processors.runwatch import RunWatch, RunWatcher
+
+
+def _progress(rank: int, step: int, world: int, **metrics: float) -> RankProgress:
+    series = {m: Series(np.array([step]), np.array([v])) for m, v in metrics.items()}
+    return RankProgress(run="r", rank=rank, world_size=world, last_step=step, ts=0.0, series=series)
+
+
+def test_a_straggler_among_eight_ranks_is_named_within_a_few_steps():
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    rng = np.random.default_rng(0)
+    fired = []
+    for step in range(80):
+        for rank in range(8):
+            t = 1.0 + 0.01 * rng.standard_normal() + (0.5 if rank == 5 and step >= 50 else 0.0)
+            fired += watcher.observe(watch, _progress(rank, step, 8, step_time_s=t), now=float(step))
+    firing = [(a.rank, a.step) for a in fired if a.status == "firing"]
+    assert [r for r, _ in firing] == [5]
+    assert 50 <= firing[0][1] <= 53  # for = 2 in the default rule
+    assert fired[0].detector == "crossrank" and fired[0].metric == "step_time_s"
+
+
+def test_a_row_with_a_silent_rank_is_scored_after_the_wait():
+    watcher, watch = RunWatcher(rules=default_rules(), row_wait_s=5.0), RunWatch(run="r")
+    for step in range(30):
+        for rank in range(4):
+            watcher.observe(watch, _progress(rank, step, 4, step_time_s=1.0), now=float(step))
+    for rank in range(3):  # rank 3 never reports step 30
+        watcher.observe(watch, _progress(rank, 30, 4, step_time_s=9.0 if rank == 1 else 1.0), now=30.0)
+    assert 30 in watch.tracks["step_time_s"].rows
+    watcher.tick(watch, now=34.0)
+    assert 30 in watch.tracks["step_time_s"].rows
+    watcher.tick(watch, now=35.5)
+    assert 30 not in watch.tracks["step_time_s"].rows
+
+
+def test_a_rank_that_stops_stepping_is_a_stall_and_a_closed_one_is_not():
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    for step in range(30):
+        for rank in range(4):
+            watcher.observe(watch, _progress(rank, step, 4), now=float(step))
+    # From step 30 on rank 2 is stuck (its heartbeats repeat step 29), rank 3 closed its publisher.
+    closing = RankProgress(run="r", rank=3, world_size=4, last_step=29, ts=0.0, series={}, final=True)
+    watcher.observe(watch, closing, now=30.0)
+    alerts = []
+    for t in range(30, 80):
+        for rank in (0, 1):
+            watcher.observe(watch, _progress(rank, t, 4), now=float(t))
+        watcher.observe(watch, _progress(2, 29, 4), now=float(t))
+        alerts += watcher.tick(watch, now=float(t) + 0.5)
+    stalls = [(a.rank, a.status) for a in alerts]
+    assert stalls == [(2, "firing")], alerts
+    assert alerts[0].detector == "stall" and alerts[0].severity == "critical"
