@@ -1,18 +1,39 @@
 """Producer side: what a training rank imports.
 
 ``RankPublisher`` publishes any metrics without ever blocking training; ``TrainerHook`` attaches to
-a torch optimizer and publishes loss, grad norm, step time and non-finite flags each step. torch is
+a torch optimizer and publishes loss, optimisation and system metrics each step. torch is
 imported only when ``TrainerHook`` is used, so the publisher works in torch-free processes.
+Callbacks for Hugging Face's and Lightning's trainers are in ``producers.adapters``.
+
+Distributed evaluation: ``Evaluator`` decides when to evaluate, ``shard_dataloader`` /
+``EvalShardSampler`` / ``shard_indices`` give each rank its slice, ``evaluate_shard`` runs and
+streams it, ``ControlListener`` hears the processors' advice. The torch-dependent ones are imported
+on first use, like ``TrainerHook``.
 """
 
+from producers.control import ControlListener
+from producers.evaluation import Evaluator
 from producers.publisher import PublisherStats, RankPublisher
 
-__all__ = ["RankPublisher", "PublisherStats", "TrainerHook"]
+__all__ = [
+    "RankPublisher", "PublisherStats", "TrainerHook",
+    "Evaluator", "ControlListener", "evaluate_shard", "ShardResult",
+    "shard_indices", "EvalShardSampler", "shard_dataloader",
+]
+
+_LAZY = {
+    "TrainerHook": "producers.torch_hook",
+    "evaluate_shard": "producers.eval_run",
+    "ShardResult": "producers.eval_run",
+    "shard_indices": "producers.sharding",
+    "EvalShardSampler": "producers.sharding",
+    "shard_dataloader": "producers.sharding",
+}
 
 
 def __getattr__(name: str):
-    if name == "TrainerHook":
-        from producers.torch_hook import TrainerHook
+    if name in _LAZY:
+        import importlib
 
-        return TrainerHook
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

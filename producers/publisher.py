@@ -1,10 +1,17 @@
 """RankPublisher: the one object a training rank talks to.
 
-``log()`` runs on the training thread, so it only appends to a bounded queue (no I/O, no locks
-held across I/O, no tensor sync). A daemon sender thread drains the queue, batches many steps of
-many metrics into one message per linger period, and hands it to kafka-python. A broker that is
-down or slow costs the training thread nothing: the queue bound holds and overflow is counted in
-``stats()`` and logged, never silent and never raised.
+``log()`` runs on the training thread, so it only appends to a bounded deque (no I/O, no lock, no
+tensor sync; about a microsecond). A daemon sender thread wakes every ``linger_s`` (0.1 s: fewer,
+larger messages cost the training process and the broker less, see ``bench/log_cost.py``), drains the
+deque, turns values into floats without waiting on a device (``producers.values``), batches many
+steps of many metrics into one message, and hands it to kafka-python. A broker that is down or slow
+costs the training thread nothing: the queue bound holds and overflow is counted in ``stats()`` and
+logged, never silent and never raised.
+
+The sender thread also publishes a heartbeat every ``heartbeat_s``: a telemetry batch whose series
+``heartbeat_age_s`` is the time since the last ``log()`` (its step: the last logged step), with the
+samplers' readings (RSS, CPU, GPU memory) at the same step. A rank whose training thread hangs
+keeps sending heartbeats with a growing age; a rank whose process died sends none.
 """
 
 from __future__ import annotations
@@ -12,25 +19,32 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import queue
+import socket
+import sys
 import threading
 import time
 import uuid
 import weakref
-from collections import defaultdict
-from collections.abc import Mapping
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from producers.system import ProcessSampler, Sampler
+from producers.values import Chunk
 from rankwatch.contract import Series, TelemetryBatch
-from rankwatch.settings import DEFAULT_BOOTSTRAP
+from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT = "heartbeat_age_s"
+
 _STOP = object()
 _OPEN: weakref.WeakSet = weakref.WeakSet()
+_STOP_GRACE_S = 2.0  # how long close() waits for device values still on their way to the host
+_MAX_VALUES = 16_384  # per message: ~400 KB of JSON, well under Kafka's default 1 MB message limit
 
 
 @atexit.register
@@ -40,30 +54,25 @@ def _close_open_publishers() -> None:
         pub.close(timeout_s=2.0)
 
 
-def _distributed_defaults() -> tuple[int, int]:
-    """(rank, world_size) from an initialised torch.distributed, else RANK/WORLD_SIZE, else (0, 1)."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except ImportError:
-        pass
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _as_float(value: Any) -> float:
-    # Tensors are converted here, on the sender thread, so the training thread never syncs a device.
-    return float(value.item() if hasattr(value, "item") else value)
+def rank_identity(env: Mapping[str, str]) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank): from an initialised torch.distributed, else ``RANK`` /
+    ``WORLD_SIZE`` / ``LOCAL_RANK`` in ``env`` (torchrun sets all three), else (0, 1, 0)."""
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    dist = sys.modules.get("torch.distributed")  # initialised means imported; never import torch here
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    return rank, world, int(env.get("LOCAL_RANK", 0))
 
 
 @dataclass(frozen=True)
 class PublisherStats:
     logged: int  # log() calls accepted
-    dropped: int  # log() / send() calls refused because the queue was full
+    dropped: int  # log() / send() calls refused because the queue was full (or values lost at close)
     sent: int  # messages acknowledged by the broker
     failed: int  # messages the broker never acknowledged (after kafka-python's retries)
     queued: int  # items waiting for the sender
+    invalid: int = 0  # logged values that were not numbers, skipped (and logged once per metric)
+    heartbeats: int = 0  # heartbeat batches built by the sender thread
 
 
 class RankPublisher:
@@ -80,28 +89,44 @@ class RankPublisher:
         run: str,
         rank: int | None = None,
         world_size: int | None = None,
+        local_rank: int | None = None,
         bootstrap: str = DEFAULT_BOOTSTRAP,
         max_queue: int = 100_000,
-        linger_s: float = 0.02,
+        linger_s: float = 0.1,
         max_batch: int = 4096,
+        heartbeat_s: float = 5.0,
+        samplers: Sequence[Sampler] | None = None,
         connect_timeout_s: float = 5.0,
         producer_config: Mapping[str, Any] | None = None,
     ):
-        default_rank, default_world = _distributed_defaults()
+        default_rank, default_world, default_local = rank_identity(os.environ)
         self.run = run
         self.rank = default_rank if rank is None else rank
         self.world_size = default_world if world_size is None else world_size
+        self.local_rank = default_local if local_rank is None else local_rank
         if not run or not 0 <= self.rank < self.world_size:
             raise ValueError(f"need a run name and 0 <= rank < world_size, got {run!r}, {self.rank}, {self.world_size}")
+        if max_queue < 1 or max_batch < 1 or linger_s <= 0 or heartbeat_s <= 0:
+            raise ValueError("need max_queue >= 1, max_batch >= 1, linger_s > 0 and heartbeat_s > 0")
         self.bootstrap = bootstrap
-        self.linger_s, self.max_batch = linger_s, max_batch
+        self.max_queue, self.linger_s, self.max_batch, self.heartbeat_s = max_queue, linger_s, max_batch, heartbeat_s
         self.connect_timeout_s = connect_timeout_s
         self.producer_config = dict(producer_config or {})
-        # A fresh id per incarnation: a restarted rank numbers its messages from 0 again.
-        self.producer_id = uuid.uuid4().hex[:12]
-        self._queue: queue.Queue = queue.Queue(max_queue)
+        # A fresh id per incarnation (a restarted rank numbers its messages from 0 again); host and
+        # local rank in it say where a silent rank lives.
+        self.producer_id = f"{socket.gethostname()}:{self.local_rank}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._samplers: list[Sampler] = [ProcessSampler()] if samplers is None else list(samplers)
+        self._queue: deque = deque()
+        self._wake = threading.Event()
         self._seq = 0
-        self._logged = self._dropped = self._sent = self._failed = 0
+        self._logged = self._dropped = self._sent = self._failed = self._invalid = self._heartbeats = 0
+        self._warned: set[str] = set()
+        self._started = time.monotonic()
+        # The sender notes when it last saw log() activity (to within linger_s), which keeps the
+        # clock read off the training thread.
+        self._last_log: float | None = None
+        self._last_step = 0
+        self._seen = 0
         self._producer = None
         self._retry_at = 0.0  # no reconnect attempt before this (monotonic seconds)
         self._closed = False
@@ -109,36 +134,61 @@ class RankPublisher:
         self._thread.start()
         _OPEN.add(self)
 
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> RankPublisher:
+        """A publisher configured by the environment, for launchers such as torchrun.
+
+        The run id is ``RANKWATCH_RUN``, else torchrun's ``TORCHELASTIC_RUN_ID``; the bootstrap comes
+        from ``RANKWATCH_BOOTSTRAP``; rank, world size and local rank from torch.distributed or
+        ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``. Keyword arguments win over all of them.
+        """
+        env = os.environ if env is None else env
+        elastic = env.get("TORCHELASTIC_RUN_ID", "")
+        run = env.get("RANKWATCH_RUN") or (elastic if elastic != "none" else "")  # torchrun's placeholder
+        kwargs: dict[str, Any] = {"run": run, "bootstrap": Settings.from_env(env).bootstrap}
+        kwargs.update(zip(("rank", "world_size", "local_rank"), rank_identity(env)))
+        kwargs.update(overrides)
+        if not kwargs["run"]:
+            raise ValueError("no run id: set RANKWATCH_RUN (the same on every rank) or pass run=")
+        return cls(**kwargs)
+
     # -- training thread -------------------------------------------------------------------------
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Queue ``metrics`` (floats or 0-d tensors) for ``step``. Never blocks, never raises on I/O."""
-        try:
-            self._queue.put_nowait((step, metrics))
-            self._logged += 1
-        except queue.Full:
-            self._count_drop()
+        """Queue ``metrics`` (numbers, one-element tensors or lazy values) for ``step``.
 
-    def _count_drop(self) -> None:
-        self._dropped += 1
-        if self._dropped & (self._dropped - 1) == 0:  # log at 1, 2, 4, 8… drops, not every time
-            log.warning("rankwatch queue full (%d items): %d items dropped so far", self._queue.maxsize, self._dropped)
+        Never blocks, never raises on I/O, never syncs a device: tensors are read on the sender
+        thread. Pass detached tensors (a tensor that needs grad keeps its graph alive until then).
+        """
+        if len(self._queue) >= self.max_queue:
+            self._count_drop()
+            return
+        self._queue.append((step, dict(metrics)))
+        self._logged += 1
 
     def send(self, event: Any) -> None:
         """Queue any contract event (e.g. an ``EvalShard``) for its topic. Never blocks, never raises on I/O."""
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
+        if len(self._queue) >= self.max_queue:
             self._count_drop()
+            return
+        self._queue.append(event)
+
+    def _count_drop(self, n: int = 1) -> None:
+        before = self._dropped
+        self._dropped += n
+        if self._dropped.bit_length() > before.bit_length():  # log at 1, 2, 4, 8… drops, not every time
+            log.warning("rankwatch queue full (%d items): %d items dropped so far", self.max_queue, self._dropped)
+
+    def add_sampler(self, sampler: Sampler) -> None:
+        """Read ``sampler()`` (``{metric: float}``) with every heartbeat, on the sender thread."""
+        self._samplers = [*self._samplers, sampler]
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything logged so far is acknowledged (or failed); True if it finished in time."""
         deadline = time.monotonic() + timeout_s
         marker = threading.Event()  # FIFO: when the sender reaches it, everything before is handed over
-        try:
-            self._queue.put(marker, timeout=timeout_s)
-        except queue.Full:
-            return False
+        self._queue.append(marker)  # markers may exceed the bound: they are few and tiny
+        self._wake.set()
         if not marker.wait(timeout_s):
             return False
         if self._producer is not None:
@@ -149,22 +199,28 @@ class RankPublisher:
         return True
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Flush what can be flushed within ``timeout_s``, then stop the sender thread."""
+        """Send what is queued within ``timeout_s`` and stop the sender thread.
+
+        The last telemetry batch is marked ``final`` (a rank that stops on purpose is not stalled).
+        """
         if self._closed:
             return
         self._closed = True
         deadline = time.monotonic() + timeout_s
-        self.flush(timeout_s)
-        try:
-            self._queue.put(_STOP, timeout=max(0.01, deadline - time.monotonic()))
-        except queue.Full:
-            pass  # the daemon sender dies with the process
+        self._queue.append(_STOP)  # the sender publishes everything before it, then stops
+        self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._producer is not None:
+            try:
+                self._producer.flush(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # KafkaTimeoutError: the broker is away; the counts say so
+                pass
             self._producer.close(timeout=max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> PublisherStats:
-        return PublisherStats(self._logged, self._dropped, self._sent, self._failed, self._queue.qsize())
+        return PublisherStats(
+            self._logged, self._dropped, self._sent, self._failed, len(self._queue), self._invalid, self._heartbeats
+        )
 
     def __enter__(self) -> RankPublisher:
         return self
@@ -175,45 +231,108 @@ class RankPublisher:
     # -- sender thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        pending: deque[Chunk] = deque()  # FIFO, so a metric's steps reach the topic in order
+        next_beat = self._started + self.heartbeat_s
+        stop_at: float | None = None
         while True:
-            items = [self._queue.get()]
-            deadline = time.monotonic() + self.linger_s
-            while len(items) < self.max_batch:
-                remaining = deadline - time.monotonic()
-                try:
-                    items.append(self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            points = [item for item in items if isinstance(item, tuple)]
-            events = [item for item in items if hasattr(item, "to_bytes")]
-            if points:
-                events.insert(0, self._build(points))
-            for event in events:
-                try:
-                    self._send(event)
-                except Exception:  # the sender must outlive any one bad event
-                    log.exception("rankwatch: could not publish a %s event", getattr(event, "KIND", "?"))
-                    self._failed += 1
-            for item in items:
-                if isinstance(item, threading.Event):
-                    item.set()
-            if any(item is _STOP for item in items):
+            self._wake.wait(max(0.0, min(self.linger_s, next_beat - time.monotonic())))
+            self._wake.clear()
+            if self._take(pending) and stop_at is None:
+                stop_at = time.monotonic() + _STOP_GRACE_S
+            while pending and (pending[0].ready() or (stop_at is not None and time.monotonic() > stop_at)):
+                self._publish(pending.popleft())
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat(now)
+                next_beat = now + self.heartbeat_s
+            if stop_at is not None and not pending:
                 return
 
-    def _build(self, items: list[tuple[int, Mapping[str, Any]]]) -> TelemetryBatch:
+    def _take(self, pending: deque[Chunk]) -> bool:
+        """Move queued items into chunks of at most ``max_batch`` points; True once close() asked to stop."""
+        activity = self._logged + self._dropped
+        if activity != self._seen:
+            self._seen, self._last_log = activity, time.monotonic()
+        stop = False
+        while self._queue and not stop:
+            points, events, markers, values = [], [], [], 0
+            while self._queue and len(points) < self.max_batch and values < _MAX_VALUES:
+                item = self._queue.popleft()
+                if isinstance(item, tuple):
+                    points.append(item)
+                    values += len(item[1])
+                    self._last_step = item[0]
+                elif isinstance(item, threading.Event):
+                    markers.append(item)
+                elif item is _STOP:
+                    stop = True
+                    break
+                else:
+                    events.append(item)
+            try:
+                chunk = Chunk(points, events, markers)
+            except Exception:  # the sender must outlive any one bad value
+                log.exception("rankwatch: could not read %d logged points", len(points))
+                self._count_drop(len(points))
+                chunk = Chunk([], events, markers)
+            chunk.final = stop  # the chunk that met close()'s stop marker is the last one
+            pending.append(chunk)
+        return stop
+
+    def _publish(self, chunk: Chunk) -> None:
+        try:
+            if chunk.ready():
+                triples = chunk.resolve()
+            else:  # close() gave up waiting on a device
+                triples = []
+                self._count_drop(len(chunk))
+            for name in chunk.invalid:
+                self._invalid += 1
+                if name not in self._warned:
+                    self._warned.add(name)
+                    log.warning("rankwatch: metric %r has a value that is not a number; skipped", name)
+            if triples:
+                self._try_send(self._build(triples, final=chunk.final))
+            elif chunk.final:  # nothing left to send: the last word is a heartbeat
+                self._heartbeat(time.monotonic(), final=True)
+            for event in chunk.events:
+                self._try_send(event)
+        finally:
+            for marker in chunk.markers:
+                marker.set()
+
+    def _heartbeat(self, now: float, *, final: bool = False) -> None:
+        step = self._last_step
+        triples = [(step, HEARTBEAT, now - (self._last_log or self._started))]
+        for sampler in self._samplers:
+            try:
+                triples += [(step, name, float(value)) for name, value in sampler().items()]
+            except Exception:  # a broken sampler is dropped, not retried every beat
+                log.exception("rankwatch: sampler %r failed; it is switched off", sampler)
+                self._samplers = [s for s in self._samplers if s is not sampler]
+        self._heartbeats += 1
+        self._try_send(self._build(triples, final=final))
+
+    def _build(self, triples: list[tuple[int, str, float]], *, final: bool = False) -> TelemetryBatch:
         steps: dict[str, list[int]] = defaultdict(list)
         values: dict[str, list[float]] = defaultdict(list)
-        for step, metrics in items:
-            for name, value in metrics.items():
-                steps[name].append(step)
-                values[name].append(_as_float(value))
+        for step, name, value in triples:
+            steps[name].append(step)
+            values[name].append(value)
         batch = TelemetryBatch(
             run=self.run, rank=self.rank, world_size=self.world_size, producer=self.producer_id,
-            seq=self._seq, ts=time.time(),
+            seq=self._seq, ts=time.time(), final=final,
             series={n: Series(np.asarray(steps[n], dtype=np.int64), np.asarray(values[n])) for n in steps},
         )
         self._seq += 1
         return batch
+
+    def _try_send(self, event: Any) -> None:
+        try:
+            self._send(event)
+        except Exception:  # the sender must outlive any one bad event
+            log.exception("rankwatch: could not publish a %s event", getattr(event, "KIND", "?"))
+            self._failed += 1
 
     def _send(self, event: Any) -> None:
         producer = self._connect()
@@ -247,9 +366,17 @@ class RankPublisher:
                 bootstrap_timeout_ms=int(self.connect_timeout_s * 1000),
                 request_timeout_ms=10_000,
                 retries=5,
+                # One request in flight, so a retry cannot reorder messages: processors drop a seq
+                # lower than one already applied as a replay.
+                max_in_flight_requests_per_connection=1,
                 **self.producer_config,
             )
         except KafkaError as exc:
             self._retry_at = time.monotonic() + self.connect_timeout_s
             log.warning("rankwatch: broker %s unreachable (%s); batches are counted as failed", self.bootstrap, exc)
+            return None
+        # kafka-python closes its producers at exit; our handler must run first to flush through them
+        # (atexit runs the last registered first).
+        atexit.unregister(_close_open_publishers)
+        atexit.register(_close_open_publishers)
         return self._producer

@@ -1,69 +1,273 @@
-"""TrainerHook: attach to a model's optimizer; each ``optimizer.step()`` publishes one point.
+"""TrainerHook: attach to a model's optimizer; each optimizer step publishes one point.
 
-Per step: ``loss`` (when given with ``set_loss``), ``grad_norm`` (global L2 norm of all gradients,
-one fused device computation, the value ``clip_grad_norm_`` would report), ``grad_nonfinite``
-(1.0 when any gradient is NaN/Inf), and ``step_time_s`` (wall time since the previous step).
-Values stay tensors until the publisher's sender thread reads them, so the training thread never
-waits for the device.
+Per step (names as published):
+
+- model: ``loss`` (mean over the micro-batches given to ``set_loss``), any keyword metrics, and
+  flat stats dicts from ``log_stats`` (AReaL-style names such as ``ppo_actor/update/grad_norm``
+  go in unchanged);
+- optimisation: ``grad_norm`` (global L2 norm of the gradients the optimizer sees, the value
+  ``clip_grad_norm_`` returns; a loop that clips passes its pre-clip result instead,
+  ``set_loss(loss, grad_norm=total)``, which also saves the hook its pass over the gradients),
+  ``grad_nonfinite`` (parameter tensors whose gradient holds a NaN or Inf), ``lr`` (param group 0;
+  ``lr/group{i}`` for the others), ``step_skipped`` (1 when a ``GradScaler`` skipped the step), and
+  every ``weight_stats_every`` steps ``param_norm`` and ``update_ratio`` (norm of the update over
+  norm of the weights; that step copies the weights once, so it briefly needs their size again);
+- system: ``step_time_s`` (between step ends), ``data_wait_s`` (time spent waiting on a loader
+  wrapped with ``wrap_loader``), ``samples_per_s`` / ``tokens_per_s`` (when the counts are known),
+  ``collective_time_s`` (when torch.distributed is initialised; see ``producers.collectives``).
+
+The training thread only launches fused per-tensor norm kernels (``torch._foreach_norm``, as
+``clip_grad_norm_`` does); global norms, ratios, counts and means are computed from their host
+copies on the publisher's sender thread (``producers.values.Derived``), so the training thread
+never waits for the device. Process RSS, CPU and GPU memory are sampled by the sender thread with
+each heartbeat.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from producers.collectives import CollectiveTimer
 from producers.publisher import RankPublisher
+from producers.system import CudaMemorySampler
+from producers.values import Derived, stage
+
+
+def l2(values: list[float]) -> float:
+    """The L2 norm of per-tensor L2 norms: the global norm (NaN and Inf propagate).
+
+    >>> l2([3.0, 4.0])
+    5.0
+    """
+    return math.sqrt(math.fsum(v * v for v in values))
+
+
+def count_nonfinite(values: list[float]) -> float:
+    return float(sum(not math.isfinite(v) for v in values))
+
+
+def _update_ratio(values: list[float]) -> float:
+    half = len(values) // 2  # update norms, then weight norms
+    return l2(values[:half]) / l2(values[half:])
+
+
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return list(groups.values())
+
+
+def norms(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, one vector per device and dtype: a fused kernel and a stack each, no sync."""
+    return [torch.stack(torch._foreach_norm(group, 2.0)) for group in groups if group]
 
 
 class TrainerHook:
-    """Publishes one point per ``optimizer.step()``. Usage::
+    """Publishes one point per optimizer step. Usage::
 
-        hook = TrainerHook(model, optimizer, publisher)
-        ...  # each step, after backward(): hook.set_loss(loss)
+        hook = TrainerHook(model, optimizer, publisher, samples_per_step=batch_size)
+        for batch in hook.wrap_loader(loader):      # optional: measures data-loader wait
+            loss = model(batch).loss
+            loss.backward()
+            hook.set_loss(loss)                      # optional; other metrics as keywords
+            optimizer.step()                         # the hook publishes here
+            optimizer.zero_grad()
+
+    With a ``GradScaler``, pass ``scaler=``: the step then ends at ``scaler.update()``, which also
+    tells whether the step was skipped. With ``attach=False`` nothing is hooked into the optimizer
+    and the caller (the trainer adapters) calls ``before_step()``, ``after_step()`` and ``end_step()``.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, publisher: RankPublisher, *, start_step: int = 0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        publisher: RankPublisher,
+        *,
+        start_step: int = 0,
+        samples_per_step: int | None = None,
+        tokens_per_step: int | None = None,
+        weight_stats_every: int = 50,
+        scaler: Any = None,
+        time_collectives: bool = True,
+        publish_grad_norm: bool = True,
+        attach: bool = True,
+    ):
+        if weight_stats_every < 0:
+            raise ValueError(f"weight_stats_every must be >= 0 (0 = never), got {weight_stats_every}")
         self.model, self.optimizer, self.publisher = model, optimizer, publisher
         self.step = start_step
-        self._loss: torch.Tensor | None = None
-        self._extra: dict[str, Any] = {}
-        self._grad_norm: torch.Tensor | None = None
-        self._last_step_end: float | None = None
-        self._handles = [
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
-        ]
+        self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
+        self.weight_stats_every = weight_stats_every
+        self.scaler = scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: False)() else None
+        self.publish_grad_norm = publish_grad_norm
+        self._metrics: dict[str, Any] = {}
+        self._losses: list[Any] = []
+        self._samples: list[Any] = []
+        self._tokens: list[Any] = []
+        # Parameter lists per (device, dtype) for the fused kernels; groups added later are not watched.
+        self._groups = _by_device(self._params())
+        self._snapshot: list[torch.Tensor] | None = None
+        self._data_wait: float | None = None
+        self._last_end: float | None = None
+        self._handles: list[Any] = []
+        self._restore: list[Callable[[], None]] = []
 
-    def set_loss(self, loss: torch.Tensor | float, **extra: Any) -> None:
-        """Record this step's loss (and any other metrics) for the next optimizer step to publish."""
-        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        self._extra.update(extra)
+        self._timer: CollectiveTimer | None = None
+        if time_collectives and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._timer = CollectiveTimer()
+            self._timer.start()
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                self._timer.time_ddp(model)
+        device = next((p.device for p in model.parameters()), None)
+        self._on_cuda = device is not None and device.type == "cuda"
+        if self._on_cuda:
+            publisher.add_sampler(CudaMemorySampler(device))
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        # Same norm clip_grad_norm_ computes (foreach kernels, no per-parameter host sync).
-        self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        if attach:
+            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.before_step()))
+            if self.scaler is None:
+                self._handles.append(optimizer.register_step_post_hook(lambda *_: self._after_and_end()))
+            else:
+                self._handles.append(optimizer.register_step_post_hook(lambda *_: self.after_step()))
+                self._wrap_scaler_update()
 
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        now = time.perf_counter()
-        metrics: dict[str, Any] = dict(self._extra)
-        if self._loss is not None:
-            metrics["loss"] = self._loss
-        if self._grad_norm is not None:
-            metrics["grad_norm"] = self._grad_norm
-            metrics["grad_nonfinite"] = (~torch.isfinite(self._grad_norm)).float()
-        if self._last_step_end is not None:
-            metrics["step_time_s"] = now - self._last_step_end
-        self._last_step_end = now
-        if metrics:
-            self.publisher.log(metrics, self.step)
-        self.step += 1
-        self._loss, self._grad_norm, self._extra = None, None, {}
+    # -- what the user calls ---------------------------------------------------------------------
+
+    def set_loss(self, loss: torch.Tensor | float, *, samples: Any = None, tokens: Any = None, **extra: Any) -> None:
+        """Record a micro-batch's loss (the step publishes the mean) and any other metrics.
+
+        ``samples`` / ``tokens`` (ints or tensors) add up over the step's micro-batches, for
+        ``samples_per_s`` / ``tokens_per_s``; they override the constructor's per-step counts.
+        """
+        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+        if samples is not None:
+            self._samples.append(samples)
+        if tokens is not None:
+            self._tokens.append(tokens)
+        self._metrics.update(extra)
+
+    def log_stats(self, stats: Mapping[str, Any]) -> None:
+        """Add a flat stats dict (numbers or 0-d tensors) to this step's point, names unchanged."""
+        self._metrics.update(stats)
+
+    def wrap_loader(self, loader: Iterable) -> Iterator:
+        """Yield from ``loader``, timing each wait for the next batch; the step reports ``data_wait_s``."""
+        iterator = iter(loader)
+        self._data_wait = 0.0
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._data_wait += time.perf_counter() - started
+            yield batch
 
     def detach(self) -> None:
-        """Remove the optimizer hooks."""
+        """Remove the optimizer hooks, the scaler wrapper and the collective timer."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        for restore in self._restore:
+            restore()
+        if self._timer is not None:
+            self._timer.stop()
+        self._handles, self._restore = [], []
+
+    # -- step boundaries (hooked into the optimizer, or called by an adapter) --------------------
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        """Just before the optimizer updates the weights: gradient statistics and the weight snapshot."""
+        # The only device work on this thread: one fused per-tensor norm. The global norm (the
+        # value clip_grad_norm_ returns) and the non-finite count are computed by the sender.
+        if "grad_norm" in self._metrics:  # the caller's clip_grad_norm_ result: no second pass
+            grad_norms = []
+        else:
+            grad_norms = norms([[p.grad for p in group if p.grad is not None] for group in self._groups])
+        if grad_norms:
+            if self.publish_grad_norm:
+                self._metrics["grad_norm"] = Derived(l2, grad_norms)
+            self._metrics["grad_nonfinite"] = Derived(count_nonfinite, grad_norms)
+        if self.weight_stats_every and self.step % self.weight_stats_every == 0:
+            self._snapshot = [torch._foreach_mul(group, 1.0) for group in self._groups]  # fused copies
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Just after the update: learning rate, and the weight statistics when a snapshot was taken."""
+        groups = self.optimizer.param_groups
+        for i, group in enumerate(groups):
+            lr = group.get("lr")
+            if lr is not None:
+                self._metrics["lr" if i == 0 else f"lr/group{i}"] = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+        if self._snapshot is not None:
+            for old, group in zip(self._snapshot, self._groups):
+                torch._foreach_sub_(old, group)  # old - new: the update, negated
+            weights = norms(self._groups)
+            self._metrics["param_norm"] = Derived(l2, weights)
+            self._metrics["update_ratio"] = Derived(_update_ratio, norms(self._snapshot) + weights)
+            self._snapshot = None
+
+    def end_step(self, step: int | None = None, *, skipped: Any = None) -> None:
+        """Publish this step's point (at ``step`` if given, else the hook's own counter) and start the next."""
+        now = time.perf_counter()
+        metrics, self._metrics = self._metrics, {}
+        if step is not None:
+            self.step = step
+        if self._losses:
+            metrics["loss"] = self._losses[0] if len(self._losses) == 1 else Derived(_mean, self._losses)
+        if skipped is not None:
+            metrics["step_skipped"] = skipped
+        if self._last_end is not None:
+            elapsed = now - self._last_end
+            metrics["step_time_s"] = elapsed
+            for name, counts, default in (("samples_per_s", self._samples, self.samples_per_step),
+                                          ("tokens_per_s", self._tokens, self.tokens_per_step)):
+                if counts or default is not None:
+                    metrics[name] = Derived(lambda v, e=elapsed: math.fsum(v) / e, counts or [default])
+        if self._data_wait is not None:
+            metrics["data_wait_s"], self._data_wait = self._data_wait, 0.0
+        if self._timer is not None:
+            metrics["collective_time_s"] = self._timer.take()
+        self._last_end = now
+        if metrics:
+            self.publisher.log(stage(metrics) if self._on_cuda else metrics, self.step)
+        self.step += 1
+        self._losses, self._samples, self._tokens = [], [], []
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _after_and_end(self) -> None:
+        self.after_step()
+        self.end_step()
+
+    def _wrap_scaler_update(self) -> None:
+        scaler, original = self.scaler, self.scaler.update
+
+        def update(new_scale=None):
+            # scaler.step() skipped optimizer.step() iff it found an Inf/NaN; read that before
+            # update() forgets it. A skipped step ran none of the optimizer hooks.
+            try:
+                found = scaler._found_inf_per_device(self.optimizer)
+                skipped = sum(found.values()) if found else None
+            except (AttributeError, KeyError):  # a scaler without per-optimizer state for us
+                skipped = None
+            original(new_scale)
+            self.end_step(skipped=skipped)
+
+        scaler.update = update  # on the instance: deleting it brings back the class's method
+        self._restore.append(lambda: delattr(scaler, "update"))

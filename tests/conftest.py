@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition

@@ -300,11 +300,13 @@ def test_wrong_kind_raises(cls):
         cls.from_bytes(_bytes(obj))
 
 
+# Fields added after schema 1 shipped are optional, so older producers stay valid.
+OPTIONAL = {(Alert, "score"), (Alert, "incident"), (Alert, "ranks"), (TelemetryBatch, "final")}
 REQUIRED = [
     (cls, name)
     for cls in DECODERS
     for name in _raw(cls)
-    if name not in ("schema", "kind") and not (cls is Alert and name in ("score", "incident", "ranks"))
+    if name not in ("schema", "kind") and (cls, name) not in OPTIONAL
 ]
 
 

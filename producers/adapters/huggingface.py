@@ -1,0 +1,99 @@
+"""Hugging Face ``transformers.Trainer`` adapter.
+
+    from producers.adapters.huggingface import RankwatchCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[RankwatchCallback()])
+
+Per optimizer step (at ``state.global_step``, the step number Trainer logs with): ``loss`` (the
+model output's loss, averaged over the step's micro-batches), ``grad_nonfinite``, ``lr``,
+``param_norm`` / ``update_ratio``, ``step_time_s``, ``samples_per_s`` / ``tokens_per_s`` (counted
+from the model's inputs), ``collective_time_s`` and ``step_skipped`` (from accelerate's optimizer).
+Everything Trainer logs (``on_log``: ``grad_norm``, ``learning_rate``, ``epoch``, ``eval_*``, …)
+is published too, names unchanged. Trainer clips gradients before the optimizer step, so the
+pre-clip ``grad_norm`` comes from Trainer's logs (every ``logging_steps``), not from the hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from producers.adapters import batch_size
+from producers.publisher import RankPublisher
+from producers.torch_hook import TrainerHook
+
+
+class RankwatchCallback(TrainerCallback):
+    """Publishes a Trainer's steps and logs. ``hook_options`` go to ``TrainerHook``.
+
+    With no ``publisher``, one is made with ``RankPublisher.from_env()`` when training starts and
+    closed when it ends; a given publisher is flushed at the end and left open.
+    """
+
+    def __init__(self, publisher: RankPublisher | None = None, **hook_options: Any):
+        self.publisher = publisher
+        self.hook_options = hook_options
+        self.hook: TrainerHook | None = None
+        self._owns_publisher = publisher is None
+        self._forward_handle = None
+        self._loss_seen = False
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.publisher is None:
+            self.publisher = RankPublisher.from_env()
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+        self.hook = TrainerHook(
+            model, inner, self.publisher, start_step=state.global_step + 1, attach=False,
+            publish_grad_norm=False, **self.hook_options,
+        )
+        self._forward_handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
+
+    def _on_forward(self, module, args, kwargs, output) -> None:
+        if not module.training or self.hook is None:
+            return  # evaluation forwards are not training steps
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            return
+        self._loss_seen = True
+        samples = batch_size([*args, kwargs])
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        tokens = mask.sum() if isinstance(mask, torch.Tensor) else ids.numel() if isinstance(ids, torch.Tensor) else None
+        self.hook.set_loss(loss, samples=samples, tokens=tokens)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.hook is not None:
+            self.hook.before_step()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.hook is not None:
+            self.hook.after_step()
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if self.hook is not None:
+            skipped = getattr(optimizer, "step_was_skipped", None)
+            self.hook.end_step(state.global_step, skipped=None if skipped is None else float(skipped))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.publisher is None or not logs:
+            return
+        # Trainer's "loss" is the mean of the per-step losses already published; the rest goes as is.
+        skip = {"loss"} if self._loss_seen else set()
+        numbers = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and k not in skip}
+        if numbers:
+            self.publisher.log(numbers, state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
+        if self.hook is not None:
+            self.hook.detach()
+            self.hook = None
+        if self.publisher is not None:
+            if self._owns_publisher:
+                self.publisher.close()
+                self.publisher = None
+            else:
+                self.publisher.flush()

@@ -1,0 +1,83 @@
+"""Lightning adapter (``lightning.pytorch``, or the older ``pytorch_lightning`` package).
+
+    from producers.adapters.lightning import RankwatchCallback
+    trainer = L.Trainer(callbacks=[RankwatchCallback()])
+
+Per optimizer step: ``loss`` (what ``training_step`` returned, averaged over accumulated
+micro-batches), ``grad_norm`` (before clipping: Lightning calls ``on_before_optimizer_step``
+first), ``grad_nonfinite``, ``lr``, ``param_norm`` / ``update_ratio``, ``step_time_s``,
+``samples_per_s`` (from the batch), ``collective_time_s``, and the step values the module logs
+with ``self.log`` (``trainer.callback_metrics``), names unchanged. Only the first optimizer is
+watched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the standalone package, same API
+    from pytorch_lightning import Callback
+
+from producers.adapters import batch_size
+from producers.publisher import RankPublisher
+from producers.torch_hook import TrainerHook
+
+
+class RankwatchCallback(Callback):
+    """Publishes a Lightning Trainer's optimizer steps. ``hook_options`` go to ``TrainerHook``.
+
+    With no ``publisher``, one is made with ``RankPublisher.from_env()`` (rank, world size and
+    local rank from the Trainer) when training starts and closed when it ends; a given publisher
+    is flushed at the end and left open.
+    """
+
+    def __init__(self, publisher: RankPublisher | None = None, **hook_options: Any):
+        self.publisher = publisher
+        self.hook_options = hook_options
+        self.hook: TrainerHook | None = None
+        self._owns_publisher = publisher is None
+        self._stepped = False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.publisher is None:
+            self.publisher = RankPublisher.from_env(
+                rank=trainer.global_rank, world_size=trainer.world_size, local_rank=trainer.local_rank
+            )
+        self.hook = TrainerHook(
+            pl_module, trainer.optimizers[0], self.publisher, start_step=trainer.global_step, attach=False,
+            **self.hook_options,
+        )
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.hook is not None and not self._stepped:
+            self.hook.before_step()
+            self._stepped = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.hook is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.hook.set_loss(loss, samples=batch_size(batch))
+        if self._stepped:  # the optimizer stepped in this batch (not an accumulation-only batch)
+            self._stepped = False
+            self.hook.after_step()
+            metrics = trainer.callback_metrics
+            self.hook.log_stats({k: v for k, v in metrics.items() if isinstance(v, (torch.Tensor, int, float))})
+            self.hook.end_step()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.hook is not None:
+            self.hook.detach()
+            self.hook = None
+        if self.publisher is not None:
+            if self._owns_publisher:
+                self.publisher.close()
+                self.publisher = None
+            else:
+                self.publisher.flush()

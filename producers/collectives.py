@@ -1,0 +1,192 @@
+"""Time spent in torch.distributed collectives: measured around each call, never estimated.
+
+Two sources feed one ``CollectiveTimer``:
+
+- the ``torch.distributed`` functions code calls by module attribute (``dist.all_reduce(...)``,
+  FSDP's and DeepSpeed's calls), wrapped once per process by ``install()``;
+- DDP's gradient all-reduce, which bypasses those functions, through a DDP communication hook
+  (``time_ddp``) that runs the default all-reduce and times each bucket.
+
+A collective on CPU tensors (gloo) is timed on the host, from the call until its future completes.
+One on CUDA tensors is timed on the device, with CUDA events on the caller's stream, read later by
+the publisher's sender thread, so nothing here waits for the device. ``take()`` returns the wall
+time during which at least one collective was in flight (the union of the intervals, so
+overlapping buckets are not counted twice) since the previous ``take()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+#: The torch.distributed functions that are wrapped (those present in this torch).
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
+)
+
+_TIMERS: list[CollectiveTimer] = []  # timers that currently want the wrapped functions' spans
+_INSTALLED = False
+
+
+def busy_time(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals.
+
+    >>> busy_time([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)])
+    4.0
+    """
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+class _CudaSpans:
+    """Device-timed spans of one step: a lazy value (``done()`` / ``item()``) for the publisher."""
+
+    def __init__(self, pairs: list[tuple[Any, Any]]):
+        self._pairs = pairs
+
+    def done(self) -> bool:
+        return all(end.query() for _, end in self._pairs)
+
+    def item(self) -> float:
+        ref = self._pairs[0][0]
+        return busy_time([(ref.elapsed_time(s) / 1e3, ref.elapsed_time(e) / 1e3) for s, e in self._pairs])
+
+
+class _HostAndCuda:
+    """A step that had both host- and device-timed collectives: their times add up."""
+
+    def __init__(self, host_s: float, cuda: _CudaSpans):
+        self._host_s, self._cuda = host_s, cuda
+
+    def done(self) -> bool:
+        return self._cuda.done()
+
+    def item(self) -> float:
+        return self._host_s + self._cuda.item()
+
+
+class CollectiveTimer:
+    """Collects collective spans from any thread; ``take()`` gives each step its busy time."""
+
+    def __init__(self) -> None:
+        self._host: deque[tuple[float, float]] = deque()  # deque appends are atomic across threads
+        self._cuda: deque[tuple[Any, Any]] = deque()
+        self.calls = 0
+
+    def begin(self, tensor: Any) -> Any:
+        self.calls += 1
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(tensor.device))
+            return (start, tensor.device)
+        return time.perf_counter()
+
+    def end(self, token: Any) -> None:
+        if isinstance(token, tuple):
+            start, device = token
+            # On the caller's stream, which waits for the collective to finish before this event.
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(device))
+            self._cuda.append((start, end))
+        else:
+            self._host.append((token, time.perf_counter()))
+
+    def take(self) -> float | _CudaSpans | _HostAndCuda:
+        """Busy time since the previous call: a float, or a lazy value when CUDA events are involved."""
+        host = [self._host.popleft() for _ in range(len(self._host))]
+        cuda = [self._cuda.popleft() for _ in range(len(self._cuda))]
+        host_s = busy_time(host)
+        if not cuda:
+            return host_s
+        return _HostAndCuda(host_s, _CudaSpans(cuda)) if host else _CudaSpans(cuda)
+
+    def start(self) -> None:
+        """Receive the spans of the wrapped torch.distributed functions (installing them once)."""
+        install()
+        if self not in _TIMERS:
+            _TIMERS.append(self)
+
+    def stop(self) -> None:
+        if self in _TIMERS:
+            _TIMERS.remove(self)
+
+    def time_ddp(self, model: Any) -> bool:
+        """Time a DDP model's gradient all-reduce with a comm hook that runs the default all-reduce.
+
+        False (with a warning) when the model already has a comm hook or DDP refuses a new one.
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def timed_allreduce(process_group, bucket):
+            token = self.begin(bucket.buffer())
+            fut = allreduce_hook(process_group, bucket)
+
+            def done(f):
+                self.end(token)
+                return f.value()
+
+            return fut.then(done)
+
+        try:
+            model.register_comm_hook(None, timed_allreduce)
+        except RuntimeError as exc:
+            log.warning("rankwatch: DDP all-reduce not timed (%s)", exc)
+            return False
+        return True
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> Any:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return value[0]
+    return None
+
+
+def _wrap(fn):
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        timers = list(_TIMERS)
+        if not timers:
+            return fn(*args, **kwargs)
+        tensor = _first_tensor(args, kwargs)
+        tokens = [(t, t.begin(tensor)) for t in timers]
+        work = fn(*args, **kwargs)
+        if work is not None and hasattr(work, "get_future"):  # async_op=True: time until completion
+            try:
+                work.get_future().then(lambda _f: [t.end(token) for t, token in tokens])
+                return work
+            except RuntimeError:  # a backend without futures: the call's own duration is all we know
+                pass
+        for t, token in tokens:
+            t.end(token)
+        return work
+
+    timed.__rankwatch_wrapped__ = fn
+    return timed
+
+
+def install() -> None:
+    """Wrap the torch.distributed collectives once per process (cheap pass-through when no timer listens)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is not None and not hasattr(fn, "__rankwatch_wrapped__"):
+            setattr(dist, name, _wrap(fn))
+    _INSTALLED = True

@@ -1,0 +1,75 @@
+"""Resource samplers: what a rank costs the machine, read by the publisher's sender thread.
+
+A sampler is any callable returning ``{metric: float}``. The publisher calls its samplers once per
+heartbeat, on its own thread, so the training thread never pays for them. Readings come from
+``/proc/self/statm`` and ``os.times()`` (stdlib only, no psutil) and, for a CUDA device, from the
+caching allocator's counters (host memory reads, no device sync).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+
+Sampler = Callable[[], Mapping[str, float]]
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> float | None:
+    """Resident set size of this process now (Linux); None where ``/proc`` is missing."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return float(int(f.read().split()[1]) * _PAGE_BYTES)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class ProcessSampler:
+    """``rss_bytes`` and ``cpu_percent`` (CPU time over wall time since the previous sample; 100 = one core).
+
+    >>> sampler = ProcessSampler()
+    >>> sorted(sampler())
+    ['cpu_percent', 'rss_bytes']
+    """
+
+    def __init__(self) -> None:
+        self._last = (time.monotonic(), self._cpu_s())
+
+    @staticmethod
+    def _cpu_s() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def __call__(self) -> dict[str, float]:
+        now, cpu = time.monotonic(), self._cpu_s()
+        then, cpu_then = self._last
+        self._last = (now, cpu)
+        out = {"cpu_percent": 100.0 * (cpu - cpu_then) / max(now - then, 1e-9)}
+        rss = rss_bytes()
+        if rss is not None:
+            out["rss_bytes"] = rss
+        return out
+
+
+class CudaMemorySampler:
+    """``gpu_mem_allocated_bytes``, ``gpu_mem_reserved_bytes`` and ``gpu_mem_peak_bytes`` of one device.
+
+    The peak is the allocator's since the process started (or since the user last reset it); this
+    sampler never resets it, so the user's own peak readings stay right.
+    """
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self._cuda = torch.cuda
+
+    def __call__(self) -> dict[str, float]:
+        cuda, device = self._cuda, self.device
+        return {
+            "gpu_mem_allocated_bytes": float(cuda.memory_allocated(device)),
+            "gpu_mem_reserved_bytes": float(cuda.memory_reserved(device)),
+            "gpu_mem_peak_bytes": float(cuda.max_memory_allocated(device)),
+        }

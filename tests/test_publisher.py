@@ -1,0 +1,176 @@
+"""RankPublisher: bounded queue, value conversion, identity from the environment, heartbeats, samplers."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import consume_json
+
+from producers.collectives import busy_time
+from producers.publisher import HEARTBEAT, RankPublisher, rank_identity
+from producers.system import ProcessSampler
+from producers.torch_hook import l2
+from producers.values import Chunk, Derived, Staged, stage
+from rankwatch import contract
+from rankwatch.broker import free_port
+
+
+def _offline(**kwargs) -> RankPublisher:
+    """A publisher whose broker is a closed port: it must still never block nor raise."""
+    return RankPublisher(run="offline", rank=0, world_size=1, bootstrap=f"127.0.0.1:{free_port()}",
+                         connect_timeout_s=0.2, **kwargs)
+
+
+def test_a_full_queue_drops_counts_and_logs_and_keeps_its_bound(caplog):
+    publisher = _offline(max_queue=100, linger_s=30)  # the sender sleeps through the burst
+    with caplog.at_level(logging.WARNING, logger="producers.publisher"):
+        for step in range(1000):
+            publisher.log({"loss": 1.0}, step)
+    stats = publisher.stats()
+    assert (stats.logged, stats.dropped, stats.queued) == (100, 900, 100)
+    warnings = [r.getMessage() for r in caplog.records if "queue full" in r.getMessage()]
+    assert len(warnings) == 10 and "512 items dropped" in warnings[-1]  # at 1, 2, 4… drops, not 900 lines
+    publisher.close(timeout_s=1)
+    assert publisher.stats().queued == 0
+
+
+def test_values_are_read_in_bulk_and_bad_ones_rejected_by_name():
+    points = [
+        (0, {"f": 1.5, "i": 2, "flag": True, "np": np.float32(0.25), "t32": torch.tensor(3.0),
+             "t64": torch.tensor(4.0, dtype=torch.float64), "long": torch.tensor(5), "col": torch.ones(1, 1)}),
+        (1, {"text": "high", "vec": torch.ones(3), "none": None, "f": float("nan"),
+             "sum": Derived(sum, [torch.tensor(1.0), 2, torch.tensor(3, dtype=torch.int32)]),
+             "broken": Derived(lambda v: v[0] / 0, [torch.tensor(1.0)]),
+             "of_vector": Derived(sum, [torch.ones(2, 2)]), "of_text": Derived(sum, ["x"])}),
+    ]
+    chunk = Chunk(points, [], [])
+    assert chunk.ready() and len(chunk) == 16
+    got = {(step, name): value for step, name, value in chunk.resolve()}
+    assert math.isnan(got.pop((1, "f")))
+    assert got == {(0, "f"): 1.5, (0, "i"): 2.0, (0, "flag"): 1.0, (0, "np"): 0.25, (0, "t32"): 3.0,
+                   (0, "t64"): 4.0, (0, "long"): 5.0, (0, "col"): 1.0, (1, "sum"): 6.0, (1, "of_vector"): 4.0}
+    assert sorted(chunk.invalid) == ["broken", "none", "of_text", "text", "vec"]
+
+
+class _FakeCopy:
+    """Stands in for a CUDA host copy (this machine has no GPU): pending until released."""
+
+    def __init__(self, values: list[list[float]]):
+        self._values, self.released = values, False
+
+    def done(self) -> bool:
+        return self.released
+
+    def values(self) -> list[list[float]]:
+        assert self.released, "read before the copy finished"
+        return self._values
+
+
+def test_staged_device_values_wait_for_their_copy_and_feed_derived_values():
+    copy = _FakeCopy([[3.0, 4.0], [0.5]])  # per-tensor grad norms, and a loss
+    norms, loss = Staged(copy, 0), Staged(copy, 1)
+    chunk = Chunk([(9, {"grad_norm": Derived(l2, [norms]), "loss": loss, "lr": 0.1})], [], [])
+    assert not chunk.ready()
+    copy.released = True
+    assert chunk.ready()
+    assert chunk.resolve() == [(9, "grad_norm", 5.0), (9, "loss", 0.5), (9, "lr", 0.1)]
+    assert stage({"loss": torch.tensor(1.0)})["loss"].item() == 1.0  # CPU tensors are left alone
+
+
+class _Lazy:
+    """A value that is not ready until released, like a device copy behind a CUDA event."""
+
+    def __init__(self, value: float):
+        self.value, self.released = value, threading.Event()
+
+    def done(self) -> bool:
+        return self.released.is_set()
+
+    def item(self) -> float:
+        return self.value
+
+
+def test_identity_comes_from_the_environment_and_a_run_id_is_required():
+    env = {"RANKWATCH_RUN": "exp-7", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+           "RANKWATCH_BOOTSTRAP": f"127.0.0.1:{free_port()}"}
+    assert rank_identity(env) == (3, 4, 1)
+    publisher = RankPublisher.from_env(env, connect_timeout_s=0.2, samplers=[])
+    try:
+        assert (publisher.run, publisher.rank, publisher.world_size, publisher.local_rank) == ("exp-7", 3, 4, 1)
+        assert publisher.bootstrap == env["RANKWATCH_BOOTSTRAP"]
+        assert ":1:" in publisher.producer_id  # host:local_rank:pid:nonce
+    finally:
+        publisher.close(timeout_s=1)
+    elastic = RankPublisher.from_env({"TORCHELASTIC_RUN_ID": "job-9", "RANKWATCH_BOOTSTRAP": env["RANKWATCH_BOOTSTRAP"]},
+                                     connect_timeout_s=0.2, samplers=[])
+    elastic.close(timeout_s=1)
+    assert (elastic.run, elastic.rank, elastic.world_size) == ("job-9", 0, 1)
+    for missing in ({}, {"TORCHELASTIC_RUN_ID": "none"}):
+        with pytest.raises(ValueError, match="RANKWATCH_RUN"):
+            RankPublisher.from_env(missing)
+    with pytest.raises(ValueError, match="rank"):
+        RankPublisher(run="x", rank=4, world_size=4)
+
+
+def test_process_sampler_reads_rss_and_cpu():
+    sampler = ProcessSampler()
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:  # burn CPU so the next reading cannot be zero
+        pass
+    sample = sampler()
+    assert sample["rss_bytes"] > 10 * 2**20  # this interpreter with torch loaded
+    assert 10 < sample["cpu_percent"] < 100 * 64
+
+
+def test_busy_time_is_the_union_of_spans():
+    assert busy_time([]) == 0.0
+    assert busy_time([(0.0, 1.0), (0.5, 1.5), (0.2, 0.3), (2.0, 2.5)]) == pytest.approx(2.0)
+
+
+@pytest.mark.broker
+def test_heartbeats_flow_while_a_value_waits_on_its_device_then_it_is_published(bootstrap, run_id):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, heartbeat_s=0.2)
+    publisher.log({"loss": 1.0}, 0)
+    stuck = _Lazy(7.0)
+    publisher.log({"loss": stuck}, 1)
+    publisher.log({"loss": 3.0}, 2)
+    beats = consume_json(bootstrap, contract.TELEMETRY,
+                         lambda b: b.get("run") == run_id and HEARTBEAT in b["series"], count=3)
+    assert len(beats) == 3
+    assert publisher.stats().queued == 0  # drained: the points wait in the sender, behind the lazy value
+    stuck.released.set()
+    publisher.close()
+    stats = publisher.stats()
+    assert stats.failed == 0 and stats.dropped == 0
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, count=stats.sent)
+    losses = [(s, v) for b in sorted(batches, key=lambda b: b["seq"]) if "loss" in b["series"]
+              for s, v in zip(b["series"]["loss"]["steps"], b["series"]["loss"]["values"])]
+    assert losses == [(0, 1.0), (1, 7.0), (2, 3.0)]  # in order, the stuck one included
+    last = max(batches, key=lambda b: b["seq"])
+    assert {HEARTBEAT, "rss_bytes", "cpu_percent"} <= set(last["series"])  # samplers ride on heartbeats
+    # close() had no data left to send, so its final word is a heartbeat marked final.
+    assert [b["seq"] for b in batches if b["final"]] == [last["seq"]]
+
+
+@pytest.mark.broker
+def test_values_that_are_not_numbers_are_skipped_and_counted(bootstrap, run_id, caplog):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
+    with caplog.at_level(logging.WARNING, logger="producers.publisher"):
+        for step in range(3):
+            publisher.log({"loss": float(step), "note": "warm"}, step)
+        publisher.close()
+    stats = publisher.stats()
+    assert stats.invalid == 3 and stats.failed == 0
+    assert caplog.text.count("'note'") == 1
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, count=stats.sent)
+    series = [b["series"] for b in batches]
+    assert not any("note" in s for s in series)
+    assert [b["final"] for b in sorted(batches, key=lambda b: b["seq"])][-1:] == [True]  # the data batch itself
+    assert "loss" in max(batches, key=lambda b: b["seq"])["series"]
+    assert sorted(v for s in series if "loss" in s for v in s["loss"]["values"]) == [0.0, 1.0, 2.0]

@@ -1,0 +1,225 @@
+"""TrainerHook on real torch loops: what reaches the topic is what the loop computed."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+from conftest import consume_json
+
+from producers import RankPublisher, TrainerHook
+from producers.publisher import HEARTBEAT
+from rankwatch import contract
+
+pytestmark = pytest.mark.broker
+
+
+def read_series(bootstrap: str, run: str, sent: int) -> dict[tuple[int, str], list[tuple[int, float]]]:
+    """Every (step, value) per (rank, metric) of ``run``, from ``sent`` messages, in send order."""
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run, count=sent)
+    assert len(batches) == sent
+    out: dict[tuple[int, str], list[tuple[int, float]]] = defaultdict(list)
+    for batch in sorted(batches, key=lambda b: (b["rank"], b["seq"])):
+        for name, series in batch["series"].items():
+            values = [contract.decode_float(v) for v in series["values"]]
+            out[(batch["rank"], name)] += list(zip(series["steps"], values))
+    return out
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _total_norm(tensors) -> float:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])).item()
+
+
+def test_published_values_equal_what_the_loop_computed(bootstrap, run_id):
+    torch.manual_seed(1)
+    model = _net()
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 1e-3}], lr=0.05)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap)
+    hook = TrainerHook(model, opt, publisher, samples_per_step=32, weight_stats_every=2)
+    batches = [torch.randn(32, 6) for _ in range(6)]
+    batches[4][0, 0] = float("nan")
+    expected = defaultdict(dict)
+    for step, x in enumerate(hook.wrap_loader(batches)):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        expected["grad_norm"][step] = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+        expected["grad_nonfinite"][step] = float(sum(not torch.isfinite(p.grad).all() for p in model.parameters()))
+        expected["loss"][step] = loss.item()
+        expected["lr"][step], expected["lr/group1"][step] = (g["lr"] for g in opt.param_groups)
+        hook.set_loss(loss, reward=2.0 * step)
+        hook.log_stats({"ppo_actor/update/grad_norm": 0.5, "timeperf/train_step": torch.tensor(0.25)})
+        opt.step()
+        schedule.step()
+        if step % 2 == 0:
+            params = list(model.parameters())
+            expected["param_norm"][step] = _total_norm(params)
+            expected["update_ratio"][step] = _total_norm([p - b for p, b in zip(params, before)]) / _total_norm(params)
+        expected["reward"][step], expected["ppo_actor/update/grad_norm"][step] = 2.0 * step, 0.5
+        expected["timeperf/train_step"][step] = 0.25
+    publisher.close()
+    stats = publisher.stats()
+    assert (stats.dropped, stats.failed, stats.invalid) == (0, 0, 0)
+
+    got = read_series(bootstrap, run_id, stats.sent)
+    for metric, by_step in expected.items():
+        published = dict(got[(0, metric)])
+        assert sorted(published) == sorted(by_step), metric
+        for step, value in by_step.items():
+            if math.isnan(value):
+                assert math.isnan(published[step]), (metric, step)
+            else:
+                assert published[step] == pytest.approx(value, rel=1e-5), (metric, step)
+    assert expected["grad_nonfinite"][4] == 4.0 and math.isnan(expected["grad_norm"][4])  # the NaN batch
+    assert [s for s, _ in got[(0, "step_time_s")]] == [1, 2, 3, 4, 5]  # the first step has no predecessor
+    times = dict(got[(0, "step_time_s")])
+    assert all(v > 0 for v in times.values())
+    assert dict(got[(0, "samples_per_s")]) == pytest.approx({s: 32 / t for s, t in times.items()}, rel=1e-9)
+    assert [s for s, _ in got[(0, "data_wait_s")]] == list(range(6))
+    assert all(0 <= v < 0.1 for _, v in got[(0, "data_wait_s")])  # a list yields at once
+
+
+def test_a_loop_that_clips_passes_its_pre_clip_norm(bootstrap, run_id):
+    torch.manual_seed(2)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
+    hook = TrainerHook(model, opt, publisher)
+    expected = []
+    for _ in range(3):
+        model(torch.randn(8, 6)).pow(2).mean().mul(100).backward()
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        expected.append(total.item())
+        hook.set_loss(0.0, grad_norm=total)
+        opt.step()
+        opt.zero_grad()
+    publisher.close()
+    got = read_series(bootstrap, run_id, publisher.stats().sent)
+    assert [v for _, v in got[(0, "grad_norm")]] == pytest.approx(expected) and min(expected) > 0.1
+    assert (0, "grad_nonfinite") not in got  # the hook made no pass of its own over the gradients
+
+
+def test_data_wait_measures_a_slow_loader(bootstrap, run_id):
+    def slow_loader():
+        for _ in range(3):
+            time.sleep(0.1)
+            yield torch.randn(8, 6)
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
+    hook = TrainerHook(model, opt, publisher)
+    for x in hook.wrap_loader(slow_loader()):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    publisher.close()
+    waits = [v for _, v in read_series(bootstrap, run_id, publisher.stats().sent)[(0, "data_wait_s")]]
+    assert len(waits) == 3 and all(0.09 < w < 1.0 for w in waits)
+
+
+def test_a_grad_scaler_skipped_step_is_reported(bootstrap, run_id):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
+    hook = TrainerHook(model, opt, publisher, scaler=scaler)
+    for step in range(4):
+        x = torch.randn(8, 4)
+        if step == 2:
+            x[0, 0] = float("inf")
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        hook.set_loss(loss)
+        scaler.step(opt)
+        scaler.update()
+    hook.detach()
+    assert "update" not in vars(scaler)  # the class's own update() is back
+    publisher.close()
+    got = read_series(bootstrap, run_id, publisher.stats().sent)
+    assert got[(0, "step_skipped")] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 0.0)]
+    assert [s for s, _ in got[(0, "grad_norm")]] == [0, 1, 3]  # the skipped step never reached the optimizer
+    assert [s for s, _ in got[(0, "loss")]] == [0, 1, 2, 3]
+
+
+def test_heartbeats_keep_coming_while_the_training_thread_sleeps(bootstrap, run_id):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, heartbeat_s=1.0)
+    publisher.log({"loss": 0.5}, 7)
+    time.sleep(4.0)  # a hung rank: no log() for 4 heartbeat periods
+    beats = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id and HEARTBEAT in b["series"],
+                         count=3, timeout_s=5)
+    publisher.close()
+    assert len(beats) >= 3
+    points = [(b["series"][HEARTBEAT]["steps"][0], b["series"][HEARTBEAT]["values"][0])
+              for b in sorted(beats, key=lambda b: b["seq"])]
+    assert {step for step, _ in points} == {7}  # the last step the rank reached
+    ages = [age for _, age in points]
+    assert ages == sorted(ages) and ages[-1] - ages[0] > 1.5  # the age grows while nothing is logged
+    assert all({"rss_bytes", "cpu_percent"} <= set(b["series"]) for b in beats)
+
+
+# -- several ranks over gloo --------------------------------------------------------------------
+
+WORLD = 2
+
+
+def _rank_main(rank: int, port: int, bootstrap: str, run: str, results) -> None:
+    """One rank of a 2-process DDP job over gloo, configured only by the environment, as torchrun does."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), RANKWATCH_RUN=run, RANKWATCH_BOOTSTRAP=bootstrap)
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    publisher = RankPublisher.from_env(samplers=[])  # run, bootstrap, rank, world size, local rank
+    model = torch.nn.parallel.DistributedDataParallel(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hook = TrainerHook(model, opt, publisher)
+    for _ in range(4):
+        loss = model(torch.randn(16, 6)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()  # DDP's bucket all-reduce, timed by the hook's comm hook
+        hook.set_loss(loss)
+        opt.step()
+        torch.distributed.all_reduce(torch.ones(256))  # a plain collective, timed by the wrapper
+    publisher.close()
+    stats = publisher.stats()
+    results.put((rank, publisher.local_rank, publisher.producer_id, stats.sent, stats.failed))
+    torch.distributed.destroy_process_group()
+
+
+def test_every_rank_of_a_gloo_job_reports_with_its_identity_and_collective_time(bootstrap, run_id):
+    import torch.multiprocessing as mp
+
+    from rankwatch.broker import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()  # the rendezvous
+    procs = [ctx.Process(target=_rank_main, args=(r, port, bootstrap, run_id, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    reports = sorted(results.get(timeout=120) for _ in range(WORLD))
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0] * WORLD
+    assert [(rank, local) for rank, local, *_ in reports] == [(r, r) for r in range(WORLD)]
+    assert all(failed == 0 for *_, failed in reports)
+
+    got = read_series(bootstrap, run_id, sum(sent for *_, sent, _ in reports))
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, count=1)
+    assert batches[0]["world_size"] == WORLD
+    for rank in range(WORLD):
+        assert [s for s, _ in got[(rank, "loss")]] == [0, 1, 2, 3]
+        collective = [v for _, v in got[(rank, "collective_time_s")]]
+        assert len(collective) == 4 and all(v > 0 for v in collective), (rank, collective)
