@@ -51,23 +51,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     embedded = _wants_embedded(args, os.environ.get("RANKWATCH_BOOTSTRAP"))
     echo = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
     print("starting rankwatch…", file=sys.stderr, flush=True)
-    with Stack(settings, embedded=embedded, port=args.port, workers=args.workers, echo=echo) as stack:
-        kind = "embedded Tansu broker, memory only" if embedded else "external broker"
-        print(
-            f"rankwatch is up\n"
-            f"  broker   {stack.bootstrap} ({kind})\n"
-            f"  workers  {args.workers} Faust worker(s), consumer group '{stack.settings.app_id}'\n"
-            f"  trainers export RANKWATCH_BOOTSTRAP={stack.bootstrap}\n"
-            f"  alerts   topic {contract.ALERTS}, printed below\n"
-            f"Ctrl-C stops everything.",
-            flush=True,
-        )
-        sink = TerminalSink()
-        try:
+    try:  # around everything: Ctrl-C may come while things are still starting
+        with Stack(settings, embedded=embedded, port=args.port, workers=args.workers, echo=echo) as stack:
+            kind = "embedded Tansu broker, memory only" if embedded else "external broker"
+            print(
+                f"rankwatch is up\n"
+                f"  broker   {stack.bootstrap} ({kind})\n"
+                f"  workers  {args.workers} Faust worker(s), consumer group '{stack.settings.app_id}'\n"
+                f"  trainers export RANKWATCH_BOOTSTRAP={stack.bootstrap}\n"
+                f"  alerts   topic {contract.ALERTS}, printed below\n"
+                f"Ctrl-C stops everything.",
+                flush=True,
+            )
+            sink = TerminalSink()
             for record in read_topic(stack.bootstrap, contract.ALERTS, follow=True, from_beginning=False):
                 _emit_alert(record.value, sink)
-        except KeyboardInterrupt:
-            print("\nstopping…", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("\nstopped", file=sys.stderr, flush=True)
     return 0
 
 

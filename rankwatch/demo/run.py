@@ -16,10 +16,19 @@ from collections import Counter
 
 from rankwatch import contract
 from rankwatch.broker import free_port
-from rankwatch.contract import Alert
+from rankwatch.contract import Alert, EvalReport
 from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 from sinks import TerminalSink, read_topic
+
+
+def _describe(report: EvalReport) -> str:
+    acc = report.metrics.get("correct", {})
+    ranks = f"{len(report.ranks_received)}/{report.world_size} ranks"
+    if not acc:
+        return f"eval {report.eval_id}: no accuracy ({ranks})"
+    return (f"eval at step {report.step:>4}: accuracy {acc['mean']:.3f} [{acc['ci_low']:.3f}, {acc['ci_high']:.3f}]"
+            f" on {report.n_samples} samples from {ranks}")
 
 
 def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int = 200,
@@ -45,11 +54,27 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
                 seen.append(alert)
                 sink.add(alert)
                 sink.flush()
-                if (alert.detector, alert.metric, alert.rank, alert.step, alert.status) == (
-                    "nonfinite", "loss", nan_rank, nan_step, "firing"):
+                if (alert.detector, alert.metric, alert.incident, alert.status) == (
+                        "nonfinite", "loss", nan_step, "firing") and nan_rank in alert.ranks:
                     expected.set()
 
+        reports: dict[str, EvalReport] = {}
+
+        def watch_reports() -> None:
+            for record in read_topic(stack.bootstrap, contract.REPORTS, follow=True):
+                if stop.is_set():
+                    return
+                obj = contract.decode_any(record.value)
+                if obj.get("kind") != EvalReport.KIND or obj.get("run") != run:
+                    continue
+                report = EvalReport.from_bytes(record.value)
+                if report.provisional or report.eval_id in reports:
+                    continue
+                reports[report.eval_id] = report
+                print(f"  {_describe(report)}", flush=True)
+
         threading.Thread(target=watch, daemon=True, name="alert-watch").start()
+        threading.Thread(target=watch_reports, daemon=True, name="report-watch").start()
         env = dict(os.environ, WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    OMP_NUM_THREADS="1")
         procs = [
@@ -70,6 +95,10 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
         time.sleep(1.0)  # let the last alerts of the run print before the summary
         stop.set()
     by_severity = Counter(a.severity for a in seen if a.status == "firing")
+    if reports:
+        print("\neval accuracy over training (95% CI, all ranks merged):")
+        for report in sorted(reports.values(), key=lambda r: r.step):
+            print(f"  {_describe(report)}")
     print(f"\nsummary: {len(seen)} alert transitions ({dict(by_severity)}) in {time.monotonic() - started:.1f}s; "
           f"ranks exited {codes}")
     if expected.is_set():
