@@ -18,9 +18,14 @@ def format_alert(alert: Alert, *, colour: bool = False) -> str:
     severity = alert.severity.upper()
     if colour:
         severity = f"{_COLOURS.get(alert.severity, '')}{severity}{_RESET}"
-    rank = "all" if alert.rank is None else alert.rank
+    if alert.rank is not None:
+        who = f"rank={alert.rank}"
+    elif alert.ranks:
+        who = f"ranks={','.join(map(str, alert.ranks))}"
+    else:
+        who = "run-wide"
     return (
-        f"{when} {severity:<8} {alert.status:<8} run={alert.run} rank={rank} step={alert.step} "
+        f"{when} {severity:<8} {alert.status:<8} run={alert.run} {who} step={alert.step} "
         f"{alert.detector}/{alert.metric}: {alert.message}"
     )
 
