@@ -22,7 +22,7 @@ import faust
 from kafka.partitioner.default import murmur2
 
 from rankwatch import contract
-from rankwatch.contract import DeadLetter, EvalShard
+from rankwatch.contract import EvalShard
 from rankwatch.contract.topics import EVAL_RUN_EVENTS
 from rankwatch.errors import SchemaError
 from rankwatch.settings import Settings
@@ -37,12 +37,10 @@ from stream_processors.evaluation import (
     StopRule,
     parse_weights,
 )
+from stream_processors.topics import dead_letterer, raw_topic
 
 log = logging.getLogger(__name__)
 
-
-def _raw_topic(app: faust.App, name: str) -> faust.TopicT:
-    return app.topic(name, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
 
 
 def processors(settings: Settings) -> tuple[EvalProcessor, RunTracker]:
@@ -65,22 +63,17 @@ def processors(settings: Settings) -> tuple[EvalProcessor, RunTracker]:
 
 
 def register(app: faust.App, settings: Settings) -> None:
-    shards = _raw_topic(app, contract.EVAL_SHARDS)
-    run_events = _raw_topic(app, EVAL_RUN_EVENTS)
-    reports = _raw_topic(app, contract.REPORTS)
-    alerts = _raw_topic(app, contract.ALERTS)
-    control = _raw_topic(app, contract.CONTROL)
-    deadletter = _raw_topic(app, contract.DEADLETTER)
+    shards = raw_topic(app, contract.EVAL_SHARDS)
+    run_events = raw_topic(app, EVAL_RUN_EVENTS)
+    reports = raw_topic(app, contract.REPORTS)
+    alerts = raw_topic(app, contract.ALERTS)
+    control = raw_topic(app, contract.CONTROL)
     evals = app.Table("eval-state", default=None, key_type=bytes, use_partitioner=True)
     runs = app.Table("eval-runs", default=None, key_type=bytes)
     merger, tracker = processors(settings)
     warned_partitioner: list[bool] = []
 
-    async def dead_letter(event: faust.EventT, reason: str) -> None:
-        msg = event.message
-        log.warning("dead-lettered %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, reason)
-        letter = DeadLetter(reason, msg.topic, msg.partition, msg.offset, msg.value or b"", time.time())
-        await deadletter.send(key=msg.key, value=letter.to_bytes())
+    dead_letter = dead_letterer(app)
 
     def eval_state(key: bytes) -> EvalState:
         state = evals.get(key)

@@ -8,27 +8,24 @@ import time
 import faust
 
 from rankwatch import contract
-from rankwatch.contract import DeadLetter, RankProgress, RankSignal, TelemetryBatch, decode_run_event
+from rankwatch.contract import RankProgress, RankSignal, TelemetryBatch, decode_run_event
 from rankwatch.errors import SchemaError
 from rankwatch.settings import Settings
 from stream_processors.grouping import Grouper, RunGroups
 from stream_processors.processor import RankState, TelemetryProcessor
 from stream_processors.rules import Rules
 from stream_processors.runwatch import RunWatch, RunWatcher
+from stream_processors.topics import dead_letterer, raw_topic
 
 log = logging.getLogger(__name__)
 
 
-def _raw_topic(app: faust.App, name: str) -> faust.TopicT:
-    return app.topic(name, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-
 
 def register(app: faust.App, settings: Settings) -> None:
-    telemetry = _raw_topic(app, contract.TELEMETRY)
-    alerts = _raw_topic(app, contract.ALERTS)
-    reports = _raw_topic(app, contract.REPORTS)
-    deadletter = _raw_topic(app, contract.DEADLETTER)
-    run_events = _raw_topic(app, contract.RUN_EVENTS)
+    telemetry = raw_topic(app, contract.TELEMETRY)
+    alerts = raw_topic(app, contract.ALERTS)
+    reports = raw_topic(app, contract.REPORTS)
+    run_events = raw_topic(app, contract.RUN_EVENTS)
     rules = Rules.load(settings.rules or None)
     # Stage 1: one value per (run, rank), keyed like the telemetry topic, so each key has one writer.
     rank_state = app.Table("rank-state", default=None)
@@ -41,11 +38,7 @@ def register(app: faust.App, settings: Settings) -> None:
     watcher = RunWatcher(rules=rules)
     watches: dict[bytes, RunWatch] = {}  # per run: cross-rank rows and stall clocks (memory only)
 
-    async def dead_letter(event: faust.EventT, reason: str) -> None:
-        msg = event.message
-        log.warning("dead-lettered %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, reason)
-        letter = DeadLetter(reason, msg.topic, msg.partition, msg.offset, msg.value or b"", time.time())
-        await deadletter.send(key=msg.key, value=letter.to_bytes())
+    dead_letter = dead_letterer(app)
 
     @app.agent(telemetry, name="telemetry")
     async def process_telemetry(stream):

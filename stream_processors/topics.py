@@ -1,0 +1,32 @@
+"""Faust handles on the contract's topics, and the one way flows dead-letter a message."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import faust
+
+from rankwatch import contract
+from rankwatch.contract import DeadLetter
+
+log = logging.getLogger(__name__)
+
+
+def raw_topic(app: faust.App, name: str) -> faust.TopicT:
+    """A topic of raw bytes: our code decodes, so a bad message is ours to dead-letter, not Faust's to drop."""
+    return app.topic(name, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+
+
+def dead_letterer(app: faust.App) -> Callable[[faust.EventT, str], Awaitable[None]]:
+    """``await dead_letter(event, reason)``: the original bytes and where they came from, with why."""
+    topic = raw_topic(app, contract.DEADLETTER)
+
+    async def dead_letter(event: faust.EventT, reason: str) -> None:
+        msg = event.message
+        log.warning("dead-lettered %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, reason)
+        letter = DeadLetter(reason, msg.topic, msg.partition, msg.offset, msg.value or b"", time.time())
+        await topic.send(key=msg.key, value=letter.to_bytes())
+
+    return dead_letter
