@@ -69,6 +69,7 @@ def measure(bootstrap: str, ranks: int, trials: int, step_s: float, gap_steps: i
             loss = float("nan") if r == nan_rank else 2.0 + 0.01 * rng.standard_normal()
             batch = TelemetryBatch(
                 run=run, rank=r, world_size=ranks, producer="bench", seq=step, ts=time.time(),
+                final=step == total_steps - 1,  # as RankPublisher.close() does: the end is no stall
                 series={"loss": Series(np.array([step]), np.array([loss])),
                         "grad_norm": Series(np.array([step]), np.array([1.0 + 0.01 * rng.standard_normal()])),
                         "step_time_s": Series(np.array([step]), np.array([step_s]))},

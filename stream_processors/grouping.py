@@ -14,7 +14,7 @@ Signals arrive at least once. Each rank's last applied transition is kept, so a 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from rankwatch.contract import Alert, RankSignal
 
@@ -73,6 +73,8 @@ class Grouper:
         if seen is not None and mark <= seen:
             return []  # a replay
         group.last_seen[str(a.rank)] = mark
+        if a.rank is None:
+            return [replace(a, key=gkey, ts=now)]  # already about the whole run: nothing to group
         if a.status == "firing":
             if a.rank not in group.ranks:
                 group.ranks.append(a.rank)

@@ -115,3 +115,13 @@ def test_the_earliest_incident_names_the_group_even_when_it_arrives_second():
     [alert] = grouper.tick(state, now=0.2)
     assert (alert.incident, alert.step, alert.ranks) == (120, 120, (2, 3))
     assert "rank 2 at step 120" in alert.message
+
+
+def test_a_run_wide_transition_passes_through_once():
+    grouper, state = Grouper(group_wait_s=10.0), RunGroups()
+    alert = Alert(key="r/stall/steps", run="r", status="firing", severity="critical", detector="stall",
+                  metric="steps", rank=None, step=50, value=30.0, message="the run stalled", ts=0.0, incident=50)
+    [out] = grouper.add(state, RankSignal(alert=alert, world_size=4), now=1.0)
+    assert (out.key, out.rank, out.ranks, out.ts) == ("r/stall/steps", None, (), 1.0)
+    assert Alert.from_bytes(out.to_bytes()) == out
+    assert grouper.add(state, RankSignal(alert=alert, world_size=4), now=2.0) == []
