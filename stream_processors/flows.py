@@ -20,7 +20,6 @@ from stream_processors.topics import dead_letterer, raw_topic
 log = logging.getLogger(__name__)
 
 
-
 def register(app: faust.App, settings: Settings) -> None:
     telemetry = raw_topic(app, contract.TELEMETRY)
     alerts = raw_topic(app, contract.ALERTS)
