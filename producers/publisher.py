@@ -241,12 +241,12 @@ class RankPublisher:
                 stop_at = time.monotonic() + _STOP_GRACE_S
             while pending and (pending[0].ready() or (stop_at is not None and time.monotonic() > stop_at)):
                 self._publish(pending.popleft())
+            if stop_at is not None and not pending:
+                return  # no heartbeat after the final batch: it would say the rank is still there
             now = time.monotonic()
             if now >= next_beat:
                 self._heartbeat(now)
                 next_beat = now + self.heartbeat_s
-            if stop_at is not None and not pending:
-                return
 
     def _take(self, pending: deque[Chunk]) -> bool:
         """Move queued items into chunks of at most ``max_batch`` points; True once close() asked to stop."""

@@ -54,10 +54,14 @@ class RunWatcher:
     def observe(self, watch: RunWatch, progress: RankProgress, now: float) -> list[Alert]:
         """Apply one rank's progress; return the per-rank transitions it completes."""
         watch.world_size = max(watch.world_size, progress.world_size)
+        newer = progress.last_step > watch.last_step.get(progress.rank, -1)
         if progress.final:
+            # Recording its last step means a stray later heartbeat at that step is no sign of life;
+            # only a new step (a restarted process) puts the rank back under watch.
+            watch.last_step[progress.rank] = max(progress.last_step, watch.last_step.get(progress.rank, -1))
             if watch.stall is not None:
                 watch.stall.forget(progress.rank)
-        elif progress.last_step > watch.last_step.get(progress.rank, -1):
+        elif newer:
             watch.last_step[progress.rank] = progress.last_step
             if self.rules.stall is not None:
                 if watch.stall is None:

@@ -59,3 +59,15 @@ def test_a_rank_that_stops_stepping_is_a_stall_and_a_closed_one_is_not():
     stalls = [(a.rank, a.status) for a in alerts]
     assert stalls == [(2, "firing")], alerts
     assert alerts[0].detector == "stall" and alerts[0].severity == "critical"
+
+
+def test_a_heartbeat_after_the_final_batch_does_not_bring_a_finished_rank_back():
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    for step in range(30):
+        for rank in range(2):
+            watcher.observe(watch, _progress(rank, step, 2), now=float(step))
+    for rank in range(2):
+        final = RankProgress(run="r", rank=rank, world_size=2, last_step=31, ts=0.0, series={}, final=True)
+        watcher.observe(watch, final, now=31.0)
+    watcher.observe(watch, _progress(1, 31, 2), now=31.5)  # a late heartbeat at the same step
+    assert watcher.tick(watch, now=90.0) == []
