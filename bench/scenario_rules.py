@@ -24,88 +24,9 @@ the bench's author; chosen on seeds 0-2, so check them on others with ``--first-
 
 from __future__ import annotations
 
-from stream_processors.rules import Rules
+from stream_processors.rules import DEFAULT_RULES_PATH, Rules
 
-PROPOSED = """
-[grouping]
-group_wait_s = 1.0
-
-[[rule]]
-metrics = ["*"]
-exclude = ["heartbeat_age_s"]
-detector = "nonfinite"
-severity = "critical"
-
-[[rule]]
-metrics = ["*loss*", "*grad_norm*", "*update_ratio*"]
-exclude = ["*_nonfinite", "*_flag", "*_skipped"]
-detector = "spike"
-severity = "warning"
-cooldown = 10
-
-[[rule]]
-metrics = ["*samples_per_s*", "*tokens_per_s*"]
-detector = "spike"
-params = { direction = "down" }
-severity = "warning"
-cooldown = 10
-
-[[rule]]
-metrics = ["*grad_norm*", "*kl*", "*importance*", "*is_ratio*"]
-detector = "blowup"
-severity = "critical"
-cooldown = 10
-
-[[rule]]
-metrics = ["eval_*", "*/eval_*", "*accuracy*"]
-detector = "collapse"
-params = { reference = 20, recent = 3 }
-severity = "critical"
-cooldown = 20
-
-[[rule]]
-metrics = ["*reward*", "*entropy*"]
-detector = "collapse"
-severity = "critical"
-cooldown = 20
-
-[[rule]]
-metrics = ["step_time_s", "*/step_time*"]
-detector = "crossrank"
-params = { direction = "up", min_rel = 0.02, threshold = 0.9 }
-severity = "warning"
-for = 2
-cooldown = 10
-
-[[rule]]
-metrics = ["collective_time_s"]
-detector = "crossrank"
-params = { direction = "down", min_rel = 0.02, threshold = 0.9 }
-severity = "warning"
-for = 2
-cooldown = 10
-
-[[rule]]
-metrics = ["data_wait_s"]
-detector = "crossrank"
-params = { direction = "up", min_rel = 0.02, min_scale = 0.002 }
-severity = "warning"
-for = 2
-cooldown = 10
-
-[[rule]]
-metrics = ["loss", "*/loss"]
-detector = "crossrank"
-severity = "warning"
-for = 2
-cooldown = 10
-
-[[rule]]
-metrics = ["steps"]
-detector = "stall"
-severity = "critical"
-resolve_after = 1
-"""
+PROPOSED = DEFAULT_RULES_PATH.read_text()
 
 
 def proposed_rules() -> Rules:

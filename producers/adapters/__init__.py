@@ -13,7 +13,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["batch_size"]
+__all__ = ["batch_size", "release"]
+
+
+def release(hook: Any, publisher: Any, owns_publisher: bool) -> None:
+    """End of training: detach the hook; close a publisher we made, flush one the user gave us."""
+    if hook is not None:
+        hook.detach()
+    if publisher is not None:
+        if owns_publisher:
+            publisher.close()
+        else:
+            publisher.flush()
 
 
 def batch_size(batch: Any) -> int | None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from producers.adapters import batch_size
+from producers.adapters import batch_size, release
 from producers.publisher import RankPublisher
 from producers.torch_hook import TrainerHook
 
@@ -88,12 +88,7 @@ class RankwatchCallback(TrainerCallback):
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None
-        if self.hook is not None:
-            self.hook.detach()
-            self.hook = None
-        if self.publisher is not None:
-            if self._owns_publisher:
-                self.publisher.close()
-                self.publisher = None
-            else:
-                self.publisher.flush()
+        release(self.hook, self.publisher, self._owns_publisher)
+        self.hook = None
+        if self._owns_publisher:
+            self.publisher = None

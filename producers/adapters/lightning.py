@@ -23,7 +23,7 @@ try:
 except ImportError:  # the standalone package, same API
     from pytorch_lightning import Callback
 
-from producers.adapters import batch_size
+from producers.adapters import batch_size, release
 from producers.publisher import RankPublisher
 from producers.torch_hook import TrainerHook
 
@@ -72,12 +72,7 @@ class RankwatchCallback(Callback):
             self.hook.end_step()
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.hook is not None:
-            self.hook.detach()
-            self.hook = None
-        if self.publisher is not None:
-            if self._owns_publisher:
-                self.publisher.close()
-                self.publisher = None
-            else:
-                self.publisher.flush()
+        release(self.hook, self.publisher, self._owns_publisher)
+        self.hook = None
+        if self._owns_publisher:
+            self.publisher = None
