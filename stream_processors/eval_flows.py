@@ -24,7 +24,6 @@ from kafka.partitioner.default import murmur2
 from rankwatch import contract
 from rankwatch.contract import EvalShard
 from rankwatch.contract.topics import EVAL_RUN_EVENTS
-from rankwatch.errors import SchemaError
 from rankwatch.settings import Settings
 from stream_processors.evaluation import (
     EvalProcessor,
@@ -37,7 +36,7 @@ from stream_processors.evaluation import (
     StopRule,
     parse_weights,
 )
-from stream_processors.topics import dead_letterer, raw_topic
+from stream_processors.topics import dead_letterer, decoded, raw_topic
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +97,7 @@ def register(app: faust.App, settings: Settings) -> None:
 
     @app.agent(shards, name="eval-shards")
     async def merge_shards(stream):
-        async for event in stream.events():
-            try:
-                shard = EvalShard.from_bytes(event.value)
-            except SchemaError as exc:
-                await dead_letter(event, f"invalid eval shard: {exc}")
-                continue
+        async for event, shard in decoded(stream.events(), EvalShard.from_bytes, dead_letter, "eval shard"):
             if event.message.key != shard.key:
                 await dead_letter(event, f"eval shard key must be {shard.key!r} (run/eval_id), got {event.message.key!r}")
                 continue
@@ -146,12 +140,7 @@ def register(app: faust.App, settings: Settings) -> None:
 
     @app.agent(run_events, name="eval-runs")
     async def track_runs(stream):
-        async for event in stream.events():
-            try:
-                update = RunUpdate.from_bytes(event.value)
-            except SchemaError as exc:
-                await dead_letter(event, str(exc))
-                continue
+        async for event, update in decoded(stream.events(), RunUpdate.from_bytes, dead_letter, "eval run update"):
             key = update.report.run.encode()
             try:
                 state = runs.get(key)

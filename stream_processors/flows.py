@@ -9,13 +9,12 @@ import faust
 
 from rankwatch import contract
 from rankwatch.contract import RankProgress, RankSignal, TelemetryBatch, decode_run_event
-from rankwatch.errors import SchemaError
 from rankwatch.settings import Settings
 from stream_processors.grouping import Grouper, RunGroups
 from stream_processors.processor import RankState, TelemetryProcessor
 from stream_processors.rules import Rules
 from stream_processors.runwatch import RunWatch, RunWatcher
-from stream_processors.topics import dead_letterer, raw_topic
+from stream_processors.topics import dead_letterer, decoded, raw_topic
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +40,7 @@ def register(app: faust.App, settings: Settings) -> None:
 
     @app.agent(telemetry, name="telemetry")
     async def process_telemetry(stream):
-        async for event in stream.events():
-            try:
-                batch = TelemetryBatch.from_bytes(event.value)
-            except SchemaError as exc:
-                await dead_letter(event, f"invalid telemetry: {exc}")
-                continue
+        async for event, batch in decoded(stream.events(), TelemetryBatch.from_bytes, dead_letter, "telemetry"):
             key = batch.key.decode()
             try:
                 state = rank_state.get(key)
@@ -83,12 +77,7 @@ def register(app: faust.App, settings: Settings) -> None:
 
     @app.agent(run_events, name="run-events")
     async def group_signals(stream):
-        async for event in stream.events():
-            try:
-                item = decode_run_event(event.value)
-            except SchemaError as exc:
-                await dead_letter(event, f"invalid run event: {exc}")
-                continue
+        async for _, item in decoded(stream.events(), decode_run_event, dead_letter, "run event"):
             state, now = run_groups(item.key), time.time()
             if isinstance(item, RankSignal):
                 due = grouper.add(state, item, now)

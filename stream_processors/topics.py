@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import faust
 
 from rankwatch import contract
 from rankwatch.contract import DeadLetter
+from rankwatch.errors import SchemaError
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -30,3 +34,19 @@ def dead_letterer(app: faust.App) -> Callable[[faust.EventT, str], Awaitable[Non
         await topic.send(key=msg.key, value=letter.to_bytes())
 
     return dead_letter
+
+
+async def decoded(
+    events: AsyncIterator[faust.EventT],
+    decode: Callable[[bytes], T],
+    dead_letter: Callable[[faust.EventT, str], Awaitable[None]],
+    what: str,
+) -> AsyncIterator[tuple[faust.EventT, T]]:
+    """``(event, decoded value)`` for each event; one that does not decode is dead-lettered with why."""
+    async for event in events:
+        try:
+            item: Any = decode(event.value)
+        except SchemaError as exc:
+            await dead_letter(event, f"invalid {what}: {exc}")
+            continue
+        yield event, item
