@@ -11,12 +11,15 @@ A collective on CPU tensors (gloo) is timed on the host, from the call until its
 One on CUDA tensors is timed on the device, with CUDA events on the caller's stream, read later by
 the publisher's sender thread, so nothing here waits for the device. ``take()`` returns the wall
 time during which at least one collective was in flight (the union of the intervals, so
-overlapping buckets are not counted twice) since the previous ``take()``.
+overlapping buckets are not counted twice) since the previous ``take()``. With each heartbeat,
+``sample()`` reports ``collective_wait_s``: how long the oldest collective still in flight has
+been waiting, which tells a rank stuck waiting for a peer from the peer that never came.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections import deque
@@ -32,6 +35,9 @@ COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
 )
+
+#: Heartbeat metric: how long this rank has been blocked in its oldest unfinished collective.
+WAIT_METRIC = "collective_wait_s"
 
 _TIMERS: list[CollectiveTimer] = []  # timers that currently want the wrapped functions' spans
 _INSTALLED = False
@@ -79,30 +85,57 @@ class _HostAndCuda:
 
 
 class CollectiveTimer:
-    """Collects collective spans from any thread; ``take()`` gives each step its busy time."""
+    """Collects collective spans from any thread; ``take()`` gives each step its busy time.
+
+    It also knows which collectives are still in flight: ``waiting_s()`` is how long the oldest of
+    them has been waiting. When a run stops, the ranks blocked in a collective are the ones
+    waiting for a peer, and a rank that is *not* waiting is the one holding everybody up.
+    """
 
     def __init__(self) -> None:
         self._host: deque[tuple[float, float]] = deque()  # deque appends are atomic across threads
         self._cuda: deque[tuple[Any, Any]] = deque()
+        self._ids = itertools.count()
+        self._open: dict[int, float] = {}  # host-timed calls in flight: id -> perf_counter at the call
+        # Device-timed calls whose end event has not completed yet: (perf_counter at the call, end event).
+        self._device_open: deque[tuple[float, Any]] = deque(maxlen=4096)
         self.calls = 0
 
     def begin(self, tensor: Any) -> Any:
         self.calls += 1
+        key, now = next(self._ids), time.perf_counter()
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(tensor.device))
-            return (start, tensor.device)
-        return time.perf_counter()
+            return key, now, start, tensor.device
+        self._open[key] = now
+        return key, now, None, None
 
     def end(self, token: Any) -> None:
-        if isinstance(token, tuple):
-            start, device = token
+        key, began, start, device = token
+        if start is not None:
             # On the caller's stream, which waits for the collective to finish before this event.
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(device))
             self._cuda.append((start, end))
+            self._device_open.append((began, end))
         else:
-            self._host.append((token, time.perf_counter()))
+            self._open.pop(key, None)
+            self._host.append((began, time.perf_counter()))
+
+    def waiting_s(self) -> float:
+        """Seconds the oldest collective still in flight has been waiting; 0.0 when none is."""
+        now = time.perf_counter()
+        while self._device_open and self._device_open[0][1].query():
+            self._device_open.popleft()
+        oldest = min(list(self._open.values()), default=now)  # list(): one step, safe against other threads
+        if self._device_open:
+            oldest = min(oldest, self._device_open[0][0])
+        return max(0.0, now - oldest)
+
+    def sample(self) -> dict[str, float]:
+        """A heartbeat sampler (``RankPublisher.add_sampler``): ``collective_wait_s``."""
+        return {WAIT_METRIC: self.waiting_s()}
 
     def take(self) -> float | _CudaSpans | _HostAndCuda:
         """Busy time since the previous call: a float, or a lazy value when CUDA events are involved."""

@@ -14,7 +14,12 @@ Per step (names as published):
   norm of the weights; that step copies the weights once, so it briefly needs their size again);
 - system: ``step_time_s`` (between step ends), ``data_wait_s`` (time spent waiting on a loader
   wrapped with ``wrap_loader``), ``samples_per_s`` / ``tokens_per_s`` (when the counts are known),
-  ``collective_time_s`` (when torch.distributed is initialised; see ``producers.collectives``).
+  ``collective_time_s`` (when torch.distributed is initialised; see ``producers.collectives``),
+  and ``compute_time_s``: the step time left after data wait and collectives. In DDP every rank's
+  step takes as long as the slowest one's (they wait for each other in the all-reduce), so only
+  this remainder shows which rank is the straggler;
+- liveness: with each heartbeat, ``collective_wait_s`` (how long the rank has been blocked in an
+  unfinished collective), so a run that stops can be told from the rank that stopped it.
 
 The training thread only launches fused per-tensor norm kernels (``torch._foreach_norm``, as
 ``clip_grad_norm_`` does); global norms, ratios, counts and means are computed from their host
@@ -59,6 +64,21 @@ def _update_ratio(values: list[float]) -> float:
 
 def _mean(values: list[float]) -> float:
     return math.fsum(values) / len(values)
+
+
+class _Remainder:
+    """``left - collective`` for a device-timed collective time, read when its events complete."""
+
+    __slots__ = ("left", "collective")
+
+    def __init__(self, left: float, collective: Any):
+        self.left, self.collective = left, collective
+
+    def done(self) -> bool:
+        return self.collective.done()
+
+    def item(self) -> float:
+        return max(0.0, self.left - self.collective.item())
 
 
 def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -130,6 +150,7 @@ class TrainerHook:
             self._timer.start()
             if isinstance(model, torch.nn.parallel.DistributedDataParallel):
                 self._timer.time_ddp(model)
+            publisher.add_sampler(self._timer.sample)
         device = next((p.device for p in model.parameters()), None)
         self._on_cuda = device is not None and device.type == "cuda"
         if self._on_cuda:
@@ -236,10 +257,15 @@ class TrainerHook:
                                           ("tokens_per_s", self._tokens, self.tokens_per_step)):
                 if counts or default is not None:
                     metrics[name] = Derived(lambda v, e=elapsed: math.fsum(v) / e, counts or [default])
+        waited, collective = 0.0, 0.0
         if self._data_wait is not None:
-            metrics["data_wait_s"], self._data_wait = self._data_wait, 0.0
+            metrics["data_wait_s"], self._data_wait, waited = self._data_wait, 0.0, self._data_wait
         if self._timer is not None:
-            metrics["collective_time_s"] = self._timer.take()
+            metrics["collective_time_s"] = collective = self._timer.take()
+        if "step_time_s" in metrics:
+            left = metrics["step_time_s"] - waited
+            metrics["compute_time_s"] = (max(0.0, left - collective) if isinstance(collective, float)
+                                         else _Remainder(left, collective))
         self._last_end = now
         if metrics:
             self.publisher.log(stage(metrics) if self._on_cuda else metrics, self.step)

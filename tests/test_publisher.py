@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import consume_json
 
-from producers.collectives import busy_time
+from producers.collectives import WAIT_METRIC, CollectiveTimer, busy_time
 from producers.publisher import HEARTBEAT, RankPublisher, rank_identity
 from producers.system import ProcessSampler
 from producers.torch_hook import l2
@@ -131,6 +131,20 @@ def test_process_sampler_reads_rss_and_cpu():
 def test_busy_time_is_the_union_of_spans():
     assert busy_time([]) == 0.0
     assert busy_time([(0.0, 1.0), (0.5, 1.5), (0.2, 0.3), (2.0, 2.5)]) == pytest.approx(2.0)
+
+
+def test_the_wait_of_the_oldest_unfinished_collective_is_sampled_and_ends_with_it():
+    timer = CollectiveTimer()
+    assert timer.sample() == {WAIT_METRIC: 0.0}
+    first = timer.begin(torch.ones(2))
+    time.sleep(0.05)
+    second = timer.begin(torch.ones(2))
+    assert timer.waiting_s() >= 0.05  # the oldest call counts, not the newest
+    timer.end(first)
+    assert timer.waiting_s() < 0.05
+    timer.end(second)
+    assert timer.waiting_s() == 0.0
+    assert timer.take() >= 0.05  # the finished spans are still the step's collective time
 
 
 @pytest.mark.broker

@@ -175,19 +175,25 @@ def test_heartbeats_keep_coming_while_the_training_thread_sleeps(bootstrap, run_
 WORLD = 2
 
 
+SLOW_RANK, SLOW_STEP, SLOW_S = 1, 2, 2.5  # one rank dawdles before its backward on one step
+
+
 def _rank_main(rank: int, port: int, bootstrap: str, run: str, results) -> None:
     """One rank of a 2-process DDP job over gloo, configured only by the environment, as torchrun does."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), RANKWATCH_RUN=run, RANKWATCH_BOOTSTRAP=bootstrap)
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
-    publisher = RankPublisher.from_env(samplers=[])  # run, bootstrap, rank, world size, local rank
+    # run, bootstrap, rank, world size, local rank from the environment; frequent heartbeats
+    publisher = RankPublisher.from_env(samplers=[], heartbeat_s=0.3)
     model = torch.nn.parallel.DistributedDataParallel(_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     hook = TrainerHook(model, opt, publisher)
-    for _ in range(4):
+    for step in range(4):
         loss = model(torch.randn(16, 6)).pow(2).mean()
         opt.zero_grad()
+        if rank == SLOW_RANK and step == SLOW_STEP:
+            time.sleep(SLOW_S)  # the straggler: its peer waits for it inside DDP's all-reduce
         loss.backward()  # DDP's bucket all-reduce, timed by the hook's comm hook
         hook.set_loss(loss)
         opt.step()
@@ -223,3 +229,18 @@ def test_every_rank_of_a_gloo_job_reports_with_its_identity_and_collective_time(
         assert [s for s, _ in got[(rank, "loss")]] == [0, 1, 2, 3]
         collective = [v for _, v in got[(rank, "collective_time_s")]]
         assert len(collective) == 4 and all(v > 0 for v in collective), (rank, collective)
+
+    # Both ranks' steps took as long as the straggler's; only the time outside collectives tells them apart.
+    step_time = {r: dict(got[(r, "step_time_s")])[SLOW_STEP] for r in range(WORLD)}
+    compute = {r: dict(got[(r, "compute_time_s")])[SLOW_STEP] for r in range(WORLD)}
+    waited = {r: dict(got[(r, "collective_time_s")])[SLOW_STEP] for r in range(WORLD)}
+    assert min(step_time.values()) > SLOW_S, step_time
+    assert compute[SLOW_RANK] > SLOW_S > waited[SLOW_RANK], (compute, waited)
+    assert waited[1 - SLOW_RANK] > SLOW_S - 0.5 > compute[1 - SLOW_RANK], (compute, waited)
+    for r in range(WORLD):
+        for step, value in got[(r, "compute_time_s")]:
+            expected = dict(got[(r, "step_time_s")])[step] - dict(got[(r, "collective_time_s")])[step]
+            assert value == pytest.approx(max(expected, 0.0), abs=1e-9)
+    # While it dawdled, the peer's heartbeats showed it blocked in a collective; its own did not.
+    blocked = {r: max(v for _, v in got[(r, "collective_wait_s")]) for r in range(WORLD)}
+    assert blocked[1 - SLOW_RANK] > 1.0 > blocked[SLOW_RANK], blocked
