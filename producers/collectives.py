@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rankwatch.contract import COLLECTIVE_WAIT
+
 log = logging.getLogger(__name__)
 
 #: The torch.distributed functions that are wrapped (those present in this torch).
@@ -35,9 +37,6 @@ COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
 )
-
-#: Heartbeat metric: how long this rank has been blocked in its oldest unfinished collective.
-WAIT_METRIC = "collective_wait_s"
 
 _TIMERS: list[CollectiveTimer] = []  # timers that currently want the wrapped functions' spans
 _INSTALLED = False
@@ -135,7 +134,7 @@ class CollectiveTimer:
 
     def sample(self) -> dict[str, float]:
         """A heartbeat sampler (``RankPublisher.add_sampler``): ``collective_wait_s``."""
-        return {WAIT_METRIC: self.waiting_s()}
+        return {COLLECTIVE_WAIT: self.waiting_s()}
 
     def take(self) -> float | _CudaSpans | _HostAndCuda:
         """Busy time since the previous call: a float, or a lazy value when CUDA events are involved."""

@@ -34,12 +34,11 @@ import numpy as np
 
 from producers.system import ProcessSampler, Sampler
 from producers.values import Chunk
-from rankwatch.contract import Series, TelemetryBatch
+from rankwatch.contract import HEARTBEAT, Series, TelemetryBatch
 from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT = "heartbeat_age_s"
 
 _STOP = object()
 _OPEN: weakref.WeakSet = weakref.WeakSet()

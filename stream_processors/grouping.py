@@ -140,7 +140,7 @@ class Grouper:
         if len(ranks) == 1:
             message = at.message
         else:
-            shown = _ranks_text(ranks)
+            shown = ranks_text(ranks)
             verb = "firing on" if status == "firing" else "resolved on all of"
             message = f"{len(ranks)} ranks ({shown}) {verb}: {at.message}"
         return Alert(
@@ -150,6 +150,6 @@ class Grouper:
         )
 
 
-def _ranks_text(ranks: tuple[int, ...], limit: int = 16) -> str:
+def ranks_text(ranks: tuple[int, ...] | list[int], limit: int = 16) -> str:
     shown = ", ".join(map(str, ranks[:limit]))
     return shown if len(ranks) <= limit else f"{shown}, … {len(ranks) - limit} more"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rankwatch.contract import Alert, Rollup, Series, TelemetryBatch
+from rankwatch.contract import COLLECTIVE_WAIT, Alert, Rollup, Series, TelemetryBatch
 from stream_processors.detectors import Detector
 from stream_processors.policies import AlertPolicy, Condition
 from stream_processors.rules import Rule, Rules, default_rules, detector_classes
@@ -61,7 +61,8 @@ class Output:
     alerts: list[Alert]
     rollups: list[Rollup]
     last_step: int | None = None  # the highest step in the batch; None for a replay or no points
-    cross_rank: dict[str, Series] = field(default_factory=dict)  # values stage 2 compares across ranks
+    # values stage 2 compares across ranks: cross-rank rules' metrics, and who waits in a collective
+    cross_rank: dict[str, Series] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +115,7 @@ class TelemetryProcessor:
                 for w in closed
             ]
         steps = [int(s.steps.max()) for s in batch.series.values() if len(s.steps)]
-        cross = {m: s for m, s in batch.series.items() if self._cross_rank(m)}
+        cross = {m: s for m, s in batch.series.items() if m == COLLECTIVE_WAIT or self._cross_rank(m)}
         return Output(alerts, rollups, max(steps) if steps else None, cross)
 
     def _cross_rank(self, metric: str) -> bool:

@@ -6,22 +6,39 @@ watches, and the step reached. Output is per-rank alert transitions (the same ``
 stage 1), which stage 2 then groups like any other.
 
 A step's row is scored once every rank has reported it, or once ``row_wait_s`` has passed (the
-missing ranks count as missing, which ``crossrank`` skips). The state lives in memory: it changes
-with every batch of every rank, and after a restart a few steps of warm-up rebuild it.
+missing ranks count as missing, which ``crossrank`` skips).
+
+When every rank stops (a DDP job stops as a whole when one rank hangs or dies), the stall names the
+ranks that caused it if the heartbeats tell: ranks that went silent while others still send
+heartbeats (dead processes), or else the ranks *not* blocked in a collective while others are
+(a rank whose heartbeat reports it blocked for most of the stall is waiting for a peer). Without
+such evidence the alert is about the whole run.
+
+The state lives in memory: it changes with every batch of every rank, and after a restart a few
+steps of warm-up rebuild it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rankwatch.contract import Alert, RankProgress
+from rankwatch.contract import COLLECTIVE_WAIT, Alert, RankProgress
 from stream_processors.detectors import CrossRank, Stall
+from stream_processors.detectors.stall import Stalled
+from stream_processors.grouping import ranks_text
 from stream_processors.policies import AlertPolicy, Condition
 from stream_processors.rules import Rule, Rules
 
 STALL_METRIC = "steps"  # what a stall alert is about: the rank stopped advancing steps
+# A rank waits for a peer if, during a stall, a heartbeat reports it blocked in one collective for at
+# least this long and for at least half of its silence so far.
+MIN_BLOCKED_S = 1.0
+# A rank not heard from (no batch, no heartbeat) for this fraction of the stall bound has stopped
+# sending: with the default 5 s heartbeats and a bound of at least 10 s, a live rank never gets there.
+SILENT_FRACTION = 0.75
 
 
 @dataclass
@@ -43,6 +60,8 @@ class RunWatch:
     stall: Stall | None = None
     stall_conditions: dict[int | None, Condition] = field(default_factory=dict)
     last_step: dict[int, int] = field(default_factory=dict)
+    heard: dict[int, float] = field(default_factory=dict)  # rank -> arrival time of its last batch
+    waits: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (collective wait, when heard)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +73,7 @@ class RunWatcher:
     def observe(self, watch: RunWatch, progress: RankProgress, now: float) -> list[Alert]:
         """Apply one rank's progress; return the per-rank transitions it completes."""
         watch.world_size = max(watch.world_size, progress.world_size)
+        watch.heard[progress.rank] = now
         newer = progress.last_step > watch.last_step.get(progress.rank, -1)
         if progress.final:
             # Recording its last step means a stray later heartbeat at that step is no sign of life;
@@ -69,6 +89,10 @@ class RunWatcher:
                 watch.stall.observe(progress.rank, now)  # arrival time: producer clocks may be skewed
         alerts: list[Alert] = []
         for metric, series in progress.series.items():
+            if metric == COLLECTIVE_WAIT:
+                if len(series.values):
+                    watch.waits[progress.rank] = (float(series.values[-1]), now)
+                continue
             rule = self.rules.cross_rank_rule(metric)
             if rule is None:
                 continue
@@ -87,20 +111,51 @@ class RunWatcher:
         for metric, track in watch.tracks.items():
             alerts += self._score_ready(watch, metric, track, now)
         if watch.stall is not None and self.rules.stall is not None:
-            stalled = {s.rank: s for s in watch.stall.check(now)}
+            stalled, cause, why = self._stalls(watch, watch.stall, now)
+            run_step = max(watch.last_step.values(), default=-1)
             rule = self.rules.stall
             policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)
             for rank in set(watch.stall_conditions) | set(stalled):
                 s = stalled.get(rank)
-                step = watch.last_step.get(rank, -1) if rank is not None else max(watch.last_step.values(), default=-1)
-                alerts += policy.apply(
+                found = policy.apply(
                     watch.stall_conditions.setdefault(rank, Condition()),
                     run=watch.run, rank=rank, metric=STALL_METRIC, detector="stall",
-                    severity=rule.severity or Stall.severity, steps=np.array([step]),
+                    severity=rule.severity or Stall.severity,
+                    steps=np.array([run_step if rank is None or rank in cause else watch.last_step.get(rank, -1)]),
                     values=np.array([s.silent_s if s else 0.0]), scores=np.array([s.score if s else 0.0]),
                     anomalous=np.array([s is not None]), now=now,
                 )
+                if rank in cause:
+                    found = [replace(a, message=f"{a.message}: {why}") if a.status == "firing" else a for a in found]
+                alerts += found
         return alerts
+
+    @staticmethod
+    def _stalls(watch: RunWatch, stall: Stall, now: float) -> tuple[dict[int | None, Stalled], list[int], str]:
+        """Stalled ranks (``None``: the run); for a whole-run stall, the ranks that caused it and why."""
+        stalled = {s.rank: s for s in stall.check(now)}
+        run = stalled.pop(None, None)
+        if run is None:
+            return stalled, [], ""
+        last_step_at = stall.last_seen
+        ranks = sorted(last_step_at)
+        silent = [r for r in ranks if now - watch.heard.get(r, -math.inf) >= SILENT_FRACTION * run.bound_s]
+        waiting = [
+            r for r in ranks if r in watch.waits and watch.waits[r][1] > last_step_at[r]
+            and watch.waits[r][0] >= max(MIN_BLOCKED_S, 0.5 * (watch.waits[r][1] - last_step_at[r]))
+        ]
+        if 0 < len(silent) < len(ranks):
+            cause, why = silent, "its heartbeats stopped as well, while other ranks' go on"
+        elif 0 < len(waiting) < len(ranks):
+            cause = [r for r in ranks if r not in waiting]
+            why = f"{'rank' if len(waiting) == 1 else 'ranks'} {ranks_text(waiting)} blocked in a collective, waiting"
+        else:
+            cause, why = [], ""
+        for rank in cause:
+            stalled[rank] = run._replace(rank=rank, silent_s=max(now - last_step_at[rank], 0.0))
+        if not cause or watch.stall_conditions.get(None, Condition()).firing:
+            stalled[None] = run  # no one to blame, or the run-wide alert is out already: it stays until steps resume
+        return stalled, cause, why
 
     def _score_ready(self, watch: RunWatch, metric: str, track: _Track, now: float) -> list[Alert]:
         n = watch.world_size

@@ -472,6 +472,30 @@ def test_crossrank_missing_ranks_direction_and_a_new_world_size():
         d.score(np.ones((2, 2, 2)))
 
 
+@pytest.mark.parametrize("ranks", [4, 64])
+def test_crossrank_cusum_catches_a_modest_straggler_in_a_few_steps_where_one_step_cannot(ranks):
+    rng = np.random.default_rng(55)
+    times = rng.normal(1.0, 0.01, (80, ranks))
+    times[50:70, 1] += 0.05  # 5 sigma: no single step passes |z| > 7.7, a few in a row add up
+    plain = CrossRank(direction="up")
+    assert not plain.decide(plain.update(times)).any()
+    d = CrossRank(direction="up", cusum_k=2.0, cusum_h=10.0)
+    flagged = d.decide(d.update(times))
+    first = np.argwhere(flagged)
+    assert set(first[:, 1].tolist()) == {1} and 50 < first[0, 0] <= 60
+    assert not flagged[78:].any()  # back under the bound about cusum_h / cusum_k steps after recovering
+
+
+def test_crossrank_cusum_ignores_one_hiccup_however_large_and_is_quiet_on_noise():
+    x = np.random.default_rng(56).normal(1.0, 0.05, (3_000, 8))
+    x[1_500, 2] = 50.0
+    d = CrossRank(direction="up", cusum_k=2.0, cusum_h=10.0)
+    assert not d.decide(d.update(x)).any()
+    again = CrossRank(**d.state_dict())
+    row = np.full(8, 1.0)
+    assert np.array_equal(again.score(row), d.score(row)) and np.array_equal(again.rank_sum, d.rank_sum)
+
+
 # --- Stall ---------------------------------------------------------------------------------------
 
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 from conftest import consume_json
 
-from producers.collectives import WAIT_METRIC, CollectiveTimer, busy_time
-from producers.publisher import HEARTBEAT, RankPublisher, rank_identity
+from producers.collectives import CollectiveTimer, busy_time
+from producers.publisher import RankPublisher, rank_identity
 from producers.system import ProcessSampler
 from producers.torch_hook import l2
 from producers.values import Chunk, Derived, Staged, stage
 from rankwatch import contract
 from rankwatch.broker import free_port
+from rankwatch.contract import HEARTBEAT
 
 
 def _offline(**kwargs) -> RankPublisher:
@@ -135,7 +136,7 @@ def test_busy_time_is_the_union_of_spans():
 
 def test_the_wait_of_the_oldest_unfinished_collective_is_sampled_and_ends_with_it():
     timer = CollectiveTimer()
-    assert timer.sample() == {WAIT_METRIC: 0.0}
+    assert timer.sample() == {contract.COLLECTIVE_WAIT: 0.0}
     first = timer.begin(torch.ones(2))
     time.sleep(0.05)
     second = timer.begin(torch.ones(2))

@@ -12,7 +12,7 @@ def test_defaults_watch_every_metric_for_nan_and_skip_spikes_on_flags():
     assert set(rules.for_metric("loss")) == {"nonfinite", "spike"}
     assert set(rules.for_metric("ppo_actor/update/grad_norm")) == {"nonfinite", "spike", "blowup"}
     assert set(rules.for_metric("step_time_s")) == {"nonfinite"}  # one slow step is not a fault
-    assert rules.cross_rank_rule("step_time_s").params["direction"] == "up"
+    assert rules.cross_rank_rule("compute_time_s").params["direction"] == "up"
     assert rules.stall is not None and rules.cross_rank_rule("lr") is None
     assert set(rules.for_metric("grad_nonfinite")) == {"nonfinite"}
     assert rules.for_metric("loss")["nonfinite"].severity == "critical"

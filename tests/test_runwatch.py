@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from rankwatch.contract import RankProgress, Series
 from stream_processors.rules import default_rules
@@ -21,25 +22,25 @@ def test_a_straggler_among_eight_ranks_is_named_within_a_few_steps():
     for step in range(80):
         for rank in range(8):
             t = 1.0 + 0.01 * rng.standard_normal() + (0.5 if rank == 5 and step >= 50 else 0.0)
-            fired += watcher.observe(watch, _progress(rank, step, 8, step_time_s=t), now=float(step))
+            fired += watcher.observe(watch, _progress(rank, step, 8, compute_time_s=t), now=float(step))
     firing = [(a.rank, a.step) for a in fired if a.status == "firing"]
     assert [r for r, _ in firing] == [5]
-    assert 50 <= firing[0][1] <= 53  # for = 2 in the default rule
-    assert fired[0].detector == "crossrank" and fired[0].metric == "step_time_s"
+    assert 50 <= firing[0][1] <= 53  # the default rule accumulates evidence over a few steps
+    assert fired[0].detector == "crossrank" and fired[0].metric == "compute_time_s"
 
 
 def test_a_row_with_a_silent_rank_is_scored_after_the_wait():
     watcher, watch = RunWatcher(rules=default_rules(), row_wait_s=5.0), RunWatch(run="r")
     for step in range(30):
         for rank in range(4):
-            watcher.observe(watch, _progress(rank, step, 4, step_time_s=1.0), now=float(step))
+            watcher.observe(watch, _progress(rank, step, 4, compute_time_s=1.0), now=float(step))
     for rank in range(3):  # rank 3 never reports step 30
-        watcher.observe(watch, _progress(rank, 30, 4, step_time_s=9.0 if rank == 1 else 1.0), now=30.0)
-    assert 30 in watch.tracks["step_time_s"].rows
+        watcher.observe(watch, _progress(rank, 30, 4, compute_time_s=9.0 if rank == 1 else 1.0), now=30.0)
+    assert 30 in watch.tracks["compute_time_s"].rows
     watcher.tick(watch, now=34.0)
-    assert 30 in watch.tracks["step_time_s"].rows
+    assert 30 in watch.tracks["compute_time_s"].rows
     watcher.tick(watch, now=35.5)
-    assert 30 not in watch.tracks["step_time_s"].rows
+    assert 30 not in watch.tracks["compute_time_s"].rows
 
 
 def test_a_rank_that_stops_stepping_is_a_stall_and_a_closed_one_is_not():
@@ -71,3 +72,39 @@ def test_a_heartbeat_after_the_final_batch_does_not_bring_a_finished_rank_back()
         watcher.observe(watch, final, now=31.0)
     watcher.observe(watch, _progress(1, 31, 2), now=31.5)  # a late heartbeat at the same step
     assert watcher.tick(watch, now=90.0) == []
+
+
+def _stopped_job(beat) -> list:
+    """Four ranks step once a second, then all stop after step 29; ``beat(rank, t)`` is a rank's
+    heartbeat during the stop (its collective wait), or None for a rank that went silent."""
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    for step in range(30):
+        for rank in range(4):
+            watcher.observe(watch, _progress(rank, step, 4, collective_wait_s=0.0), now=float(step))
+    alerts = []
+    for t in np.arange(30.0, 60.0, 0.5):
+        for rank in range(4):
+            wait = beat(rank, t)
+            if wait is not None:
+                watcher.observe(watch, _progress(rank, 29, 4, collective_wait_s=wait), now=t)
+        alerts += watcher.tick(watch, now=t + 0.25)
+    return alerts
+
+
+def test_a_ddp_stall_names_the_rank_its_peers_wait_for():
+    # Rank 2 hangs outside any collective; the others sit in the all-reduce waiting for it.
+    alerts = _stopped_job(lambda rank, t: 0.0 if rank == 2 else t - 29.5)
+    assert [(a.rank, a.status) for a in alerts] == [(2, "firing")], alerts
+    assert "ranks 0, 1, 3 blocked in a collective" in alerts[0].message
+
+
+@pytest.mark.parametrize("peers_blocked", [True, False])  # NCCL peers hang in the collective; gloo's raise
+def test_a_ddp_stall_names_a_rank_that_died(peers_blocked):
+    alerts = _stopped_job(lambda rank, t: None if rank == 1 else (t - 29.5) * peers_blocked)
+    assert [(a.rank, a.status, a.step) for a in alerts] == [(1, "firing", 29)], alerts
+    assert "heartbeats stopped" in alerts[0].message
+
+
+def test_a_stall_with_nobody_waiting_is_about_the_whole_run():
+    alerts = _stopped_job(lambda rank, t: 0.0)  # e.g. every rank stuck reading data
+    assert [(a.rank, a.status) for a in alerts] == [(None, "firing")], alerts

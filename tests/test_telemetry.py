@@ -12,8 +12,8 @@ import torch
 from conftest import consume_json
 
 from producers import RankPublisher, TrainerHook
-from producers.publisher import HEARTBEAT
 from rankwatch import contract
+from rankwatch.contract import HEARTBEAT
 
 pytestmark = pytest.mark.broker
 

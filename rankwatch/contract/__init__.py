@@ -27,7 +27,14 @@ from rankwatch.contract.evaluation import (
     eval_key,
 )
 from rankwatch.contract.internal import RankProgress, RankSignal, decode_run_event
-from rankwatch.contract.telemetry import Rollup, Series, TelemetryBatch, telemetry_key
+from rankwatch.contract.telemetry import (
+    COLLECTIVE_WAIT,
+    HEARTBEAT,
+    Rollup,
+    Series,
+    TelemetryBatch,
+    telemetry_key,
+)
 from rankwatch.contract.topics import (
     ALERTS,
     CONTROL,
@@ -46,5 +53,5 @@ __all__ = [
     "STATUSES", "SEVERITIES", "CONTROL_ACTIONS", "SchemaError",
     "Series", "TelemetryBatch", "Rollup", "Alert", "DeadLetter", "EvalShard", "EvalReport", "Control",
     "RankSignal", "RankProgress", "decode_run_event", "RUN_EVENTS", "INTERNAL_TOPICS",
-    "telemetry_key", "eval_key", "encode_float", "decode_float", "decode_any",
+    "HEARTBEAT", "COLLECTIVE_WAIT", "telemetry_key", "eval_key", "encode_float", "decode_float", "decode_any",
 ]

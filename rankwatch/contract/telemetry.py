@@ -18,6 +18,12 @@ from rankwatch.contract.codec import (
 from rankwatch.contract.topics import REPORTS, TELEMETRY
 from rankwatch.errors import SchemaError
 
+#: Metrics the publisher's sender thread adds to each heartbeat, which the processors read by name:
+#: seconds since the rank last logged, and seconds it has been blocked in its oldest unfinished
+#: collective (a stopped run's blocked ranks wait for the one that is not).
+HEARTBEAT = "heartbeat_age_s"
+COLLECTIVE_WAIT = "collective_wait_s"
+
 
 def telemetry_key(run: str, rank: int) -> bytes:
     """Message key for a rank's telemetry: one rank's messages stay ordered on one partition."""

@@ -19,6 +19,9 @@ from stream_processors.detectors.scoring import (
 # E|a - b| = 2 sigma / sqrt(pi) for two iid normal values: this turns |a - b| into a sigma.
 _PAIR_TO_SIGMA = math.sqrt(math.pi) / 2.0
 _MEAN_ABS_TO_SIGMA = math.sqrt(math.pi / 2.0)
+# Beyond this many ranks one rank barely moves the median and MAD of all of them, which then serve
+# as every rank's peers (two medians per step, however many ranks).
+_LEAVE_ONE_OUT_MAX = 64
 
 
 class CrossRank(Detector):
@@ -28,20 +31,31 @@ class CrossRank(Detector):
     same shape, one score per rank. Non-finite entries are missing ranks: they score 0 and are not
     learned (``nonfinite`` reports them).
 
-    With three or more reporting ranks a rank is compared with the peer median, in units of the
-    larger of the step's MAD-sigma across ranks and the typical cross-rank sigma learned over past
-    steps (so three ranks that happen to agree closely do not make the third look wild); the
-    median cannot be dragged by a minority of bad ranks, whatever their number. With exactly two
+    With three or more reporting ranks a rank is compared with its peers' median, in units of the
+    larger of the peers' MAD-sigma at this step and the typical cross-rank sigma learned over past
+    steps (so three ranks that happen to agree closely do not make the third look wild); up to 64
+    ranks the peers leave the rank itself out. The median cannot be dragged by a minority of bad
+    ranks, whatever their number. With exactly two
     ranks the median sits halfway and both deviate equally, so the data cannot say which one is
     wrong: a rank then scores only as much as it also deviates from its *own* history (an
     exponentially weighted mean and mean absolute deviation per rank, weight ``alpha``), and the
     rank that changed is named. Scores are ``2*Phi(|z| / z_scale) - 1``; the default threshold
-    0.99 with ``z_scale=3`` fires at |z| > 7.7. ``min_rel`` floors the unit at that fraction of
-    the peer median: with 0.02 for step time, a rank must be about 15% slower than its peers, on
-    the steadiest cluster, to be called a straggler. ``direction="up"`` suits step time (only
+    0.99 with ``z_scale=3`` fires at |z| > 7.7.
+
+    With ``cusum_k > 0`` each rank's z accumulates instead, a one-sided CUSUM per rank:
+    ``S = clip(S + min(z - cusum_k, cusum_h / 2), 0, 2 * cusum_h)``, scored
+    ``1 - (1 - threshold)**(S / cusum_h)`` so that it fires once ``S`` reaches ``cusum_h``. A
+    straggler a few sigmas slow is caught in a few steps where no single step stands out; a
+    lone hiccup, however large, adds at most half the bound, and the cap lets a rank that
+    recovers fall back under the bound about ``cusum_h / cusum_k`` steps later.
+
+    ``min_rel`` floors the unit at that fraction of the peer median: with 0.02 for step time, a
+    rank must be about 15% slower than its peers, on the steadiest cluster, to be called a
+    straggler. ``direction="up"`` suits step time (only
     slow ranks are stragglers); "both" suits loss and grad norm (a diverging rank goes either way).
 
-    Scoring 1,024 ranks costs two medians of 1,024 values per step.
+    Scoring 1,024 ranks costs two medians of 1,024 values per step; up to 64 ranks, one median
+    per rank of the others.
 
     Examples
     --------
@@ -68,25 +82,32 @@ class CrossRank(Detector):
         min_rel: float = 0.0,
         min_scale: float = 1e-9,
         direction: str = "both",
+        cusum_k: float = 0.0,
+        cusum_h: float = 10.0,
         steps: int = 0,
         spread: float = 0.0,
         rank_mean: Sequence[float] = (),
         rank_dev: Sequence[float] = (),
         rank_seen: Sequence[int] = (),
+        rank_sum: Sequence[float] = (),
     ):
         if warmup < 2 or not 0 < alpha < 1 or z_scale <= 0 or clip <= 0:
             raise ValueError("need warmup >= 2, 0 < alpha < 1, z_scale > 0, clip > 0")
         if min_rel < 0 or min_scale < 0 or not 0 < threshold < 1:
             raise ValueError("need min_rel >= 0, min_scale >= 0, 0 < threshold < 1")
+        if cusum_k < 0 or cusum_h <= 0:
+            raise ValueError("need cusum_k >= 0 (0: off) and cusum_h > 0")
         check_direction(direction)
-        if not len(rank_mean) == len(rank_dev) == len(rank_seen):
-            raise ValueError("rank_mean, rank_dev and rank_seen need one entry per rank")
+        if not len(rank_mean) == len(rank_dev) == len(rank_seen) or len(rank_sum) not in (0, len(rank_seen)):
+            raise ValueError("rank_mean, rank_dev, rank_seen (and rank_sum) need one entry per rank")
         self.warmup, self.alpha, self.z_scale, self.threshold = warmup, alpha, z_scale, threshold
         self.clip, self.min_rel, self.min_scale, self.direction = clip, min_rel, min_scale, direction
+        self.cusum_k, self.cusum_h = float(cusum_k), float(cusum_h)
         self.steps, self.spread = int(steps), float(spread)
         self.rank_mean = np.array(rank_mean, dtype=np.float64)
         self.rank_dev = np.array(rank_dev, dtype=np.float64)
         self.rank_seen = np.array(rank_seen, dtype=np.int64)
+        self.rank_sum = np.array(rank_sum if len(rank_sum) else np.zeros(len(rank_seen)), dtype=np.float64)
 
     @staticmethod
     def _rows(values: np.ndarray) -> np.ndarray:
@@ -114,29 +135,62 @@ class CrossRank(Detector):
         z[self.rank_seen < 2] = 0.0  # a rank with no history has no self-evidence
         return z
 
-    def _score_row(self, row: np.ndarray) -> np.ndarray:
-        scores = np.zeros(len(row))
+    def _magnitude_row(self, row: np.ndarray) -> np.ndarray:
+        """Each rank's directed |z| against its peers (0 for missing ranks and during warm-up)."""
+        magnitude = np.zeros(len(row))
         ok = np.isfinite(row)
         finite = row[ok]
         if self.steps < self.warmup or len(finite) < 2:
-            return scores
-        median = float(median_rows(finite[None, :])[0])
-        unit = self._peer_unit(median, self._step_sigma(finite, median) if len(finite) >= 3 else 0.0)
-        magnitude = directed(standardise(finite, median, unit), self.direction)
+            return magnitude
         if len(finite) == 2:
-            magnitude = np.minimum(magnitude, directed(self._self_z(row)[ok], self.direction))
-        scores[ok] = z_score(magnitude, self.z_scale)
-        return scores
+            median = 0.5 * (finite[0] + finite[1])
+            found = directed(standardise(finite, median, self._peer_unit(median, 0.0)), self.direction)
+            found = np.minimum(found, directed(self._self_z(row)[ok], self.direction))
+        else:
+            centre, sigma = self._peers(finite)
+            unit = np.maximum(np.maximum(sigma, max(self.spread, self.min_scale)), self.min_rel * np.abs(centre))
+            found = directed(standardise(finite, centre, unit), self.direction)
+        magnitude[ok] = found
+        return magnitude
+
+    def _peers(self, finite: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each rank's peer median and the peers' MAD-sigma (pair-based when two peers are left).
+
+        Up to ``_LEAVE_ONE_OUT_MAX`` ranks the peers of a rank leave it out: among four ranks, a
+        straggler inside the median and MAD would widen the yardstick it is measured with.
+        """
+        n = len(finite)
+        if n > _LEAVE_ONE_OUT_MAX:
+            median = float(median_rows(finite[None, :])[0])
+            return np.full(n, median), np.full(n, self._step_sigma(finite, median))
+        others = np.broadcast_to(finite, (n, n))[~np.eye(n, dtype=bool)].reshape(n, n - 1)
+        centre = median_rows(others)
+        if n == 3:
+            return centre, np.abs(others[:, 0] - others[:, 1]) * _PAIR_TO_SIGMA
+        return centre, median_rows(np.abs(others - centre[:, None])) / MAD_TO_SIGMA
+
+    def _score_row(self, row: np.ndarray, *, commit: bool = False) -> np.ndarray:
+        magnitude = self._magnitude_row(row)
+        if not self.cusum_k:
+            return z_score(magnitude, self.z_scale)
+        before = self.rank_sum if len(self.rank_sum) == len(row) else np.zeros(len(row))
+        added = np.minimum(magnitude - self.cusum_k, self.cusum_h / 2)
+        total = np.where(np.isfinite(row), np.clip(before + added, 0.0, 2 * self.cusum_h), before)
+        if commit:
+            self.rank_sum = total
+        return 1.0 - (1.0 - self.threshold) ** (total / self.cusum_h)
 
     def score(self, values: np.ndarray) -> np.ndarray:
         rows = self._rows(values)
         out = np.array([self._score_row(row) for row in rows]).reshape(rows.shape)
         return out if np.ndim(values) == 2 else out[0]
 
+    def _resize(self, n: int) -> None:
+        if len(self.rank_mean) != n:  # a new world size: per-rank history starts over
+            self.rank_mean, self.rank_dev, self.rank_sum = np.zeros(n), np.zeros(n), np.zeros(n)
+            self.rank_seen = np.zeros(n, dtype=np.int64)
+
     def _learn_row(self, row: np.ndarray) -> None:
-        if len(self.rank_mean) != len(row):  # a new world size: per-rank history starts over
-            self.rank_mean, self.rank_dev = np.zeros(len(row)), np.zeros(len(row))
-            self.rank_seen = np.zeros(len(row), dtype=np.int64)
         ok = np.isfinite(row)
         finite = row[ok]
         if len(finite) >= 2:
@@ -160,14 +214,14 @@ class CrossRank(Detector):
         self.rank_seen[ok] = seen + 1
 
     def learn(self, values: np.ndarray) -> None:
-        for row in self._rows(values):
-            self._learn_row(row)
+        self.update(values)
 
     def update(self, values: np.ndarray) -> np.ndarray:
         rows = self._rows(values)
         out = np.empty(rows.shape)
         for i, row in enumerate(rows):
-            out[i] = self._score_row(row)
+            self._resize(len(row))
+            out[i] = self._score_row(row, commit=True)
             self._learn_row(row)
         return out if np.ndim(values) == 2 else out[0]
 
@@ -181,9 +235,12 @@ class CrossRank(Detector):
             "min_rel": self.min_rel,
             "min_scale": self.min_scale,
             "direction": self.direction,
+            "cusum_k": self.cusum_k,
+            "cusum_h": self.cusum_h,
             "steps": self.steps,
             "spread": self.spread,
             "rank_mean": self.rank_mean.tolist(),
             "rank_dev": self.rank_dev.tolist(),
             "rank_seen": self.rank_seen.tolist(),
+            "rank_sum": self.rank_sum.tolist(),
         }
