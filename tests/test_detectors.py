@@ -520,6 +520,15 @@ def test_stall_learned_bound_names_the_silent_rank_then_the_whole_run():
     assert d.check(now=last + 1.0) == []
 
 
+def test_stall_does_not_learn_a_ranks_slow_start_as_its_pace():
+    d = Stall(min_bound_s=0.0)
+    for r in range(4):
+        d.observe(r, -120.0 - r)  # a heartbeat while the model loads, two minutes before step 1
+    _beat(d, range(4), 0.0, 30)
+    assert d.bound() == pytest.approx(10.0)  # 10 x the one-second pace, not 2 x the start-up
+    assert Stall(**d.state_dict()).paced == d.paced == {0, 1, 2, 3}
+
+
 def test_stall_fixed_bound_needs_no_warmup_and_ignores_out_of_order_stamps():
     d = Stall(bound_s=60.0)
     d.observe(0, 100.0)

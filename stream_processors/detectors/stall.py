@@ -72,6 +72,7 @@ class Stall(Detector):
         history: Sequence[float] = (),
         peaks: Sequence[float] = (0.0, 0.0),
         last_seen: Mapping[str | int, float] | None = None,
+        paced: Sequence[int] = (),
     ):
         if bound_s is not None and bound_s <= 0:
             raise ValueError("bound_s must be positive")
@@ -86,6 +87,7 @@ class Stall(Detector):
             raise ValueError("peaks holds the two longest remembered gaps")
         self.peaks = sorted((float(p) for p in peaks), reverse=True)
         self.last_seen = {int(rank): float(ts) for rank, ts in (last_seen or {}).items()}
+        self.paced = {int(rank) for rank in paced}  # ranks past their first gap
 
     def bound(self) -> float:
         """Seconds of silence that score the threshold; ``inf`` while warming up without ``bound_s``."""
@@ -114,17 +116,24 @@ class Stall(Detector):
             self.peaks = sorted([gap, *(p * _PEAK_DECAY for p in self.peaks)], reverse=True)[:2]
 
     def observe(self, rank: int, ts: float) -> None:
-        """A heartbeat (or step) of ``rank`` at unix time ``ts``; out-of-order stamps are ignored."""
+        """A heartbeat (or step) of ``rank`` at unix time ``ts``; out-of-order stamps are ignored.
+
+        A rank's first gap is not learned: it holds the rank's start-up (loading, compiling, the
+        first step), not its pace, and one slow start would otherwise raise the bound for long.
+        """
         last = self.last_seen.get(rank)
         if last is not None:
             if ts <= last:
                 return
-            self.learn(np.array([ts - last]))
+            if rank in self.paced:
+                self.learn(np.array([ts - last]))
+            self.paced.add(rank)
         self.last_seen[rank] = float(ts)
 
     def forget(self, rank: int) -> None:
         """Stop tracking ``rank`` (it finished or left the job)."""
         self.last_seen.pop(rank, None)
+        self.paced.discard(rank)
 
     def check(self, now: float) -> list[Stalled]:
         """Ranks silent past the bound at ``now``, or one ``rank=None`` record when all of them are."""
@@ -152,4 +161,5 @@ class Stall(Detector):
             "history": list(self.history),
             "peaks": list(self.peaks),
             "last_seen": {str(rank): ts for rank, ts in self.last_seen.items()},
+            "paced": sorted(self.paced),
         }
