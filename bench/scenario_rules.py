@@ -13,13 +13,21 @@ the bench's author; chosen on seeds 0-2, so check them on others with ``--first-
   a millisecond makes ``min_rel`` a few microseconds, so one scheduler hiccup on one rank fired
   (all 21 of the defaults' false alerts on seeds 0-2, all 20 on seeds 3-5); a loader that holds a
   rank back 15 ms or more beyond its peers still fires.
-- ``collective_time_s`` across ranks, downwards: in DDP every rank's step time is the same (they
-  wait for each other in the all-reduce), so ``step_time_s`` cannot name a straggler; the
-  straggler is the rank that waits least.
-- cross-rank threshold 0.9 (|z| > 4.9 rather than 7.7) with ``for = 2`` on step and collective
-  time: no false alert in the clean rank-steps, more stragglers caught.
+- stragglers on ``compute_time_s`` (step time minus collectives and data wait, published by the
+  hook), not ``step_time_s``: in DDP every rank's step takes as long as the slowest one's, so
+  step time cannot name the straggler (the first defaults caught 0 of 3 DDP stragglers). The
+  offline study (``scenario_study``) found this signal caught 6 of 6 stragglers where step time
+  caught 3 and collective time (downwards) 3 of 3 DDP ones, later; the collective-time rule was
+  dropped, as the same straggler would raise two alerts.
+- a CUSUM over the cross-rank z (``cusum_k = 3``, ``cusum_h = 10``) instead of a threshold with
+  ``for = 2``: a straggler 4-5 sigmas slow never passes the threshold on one step but adds up in
+  2-3. Peers leave the rank itself out of their median and MAD (with four ranks a straggler inside
+  the MAD hid itself). On seeds 0-2 (offline, before cooldowns) k = 2 fired 0.9 times per 10k
+  clean rank-steps and k = 3 never, at median delays of 1 and 1.5 steps (max 4 and 5).
 - ``collapse`` on evaluation metrics (``eval_*``, ``*accuracy*``), with windows sized for a metric
-  logged every few steps (the reward rule's 100-point reference takes 500 steps to fill there).
+  logged every few steps (the reward rule's 100-point reference takes 500 steps to fill there),
+  and a 15% drop (not 25%): a label bug's accuracy falls steadily rather than at once, and one
+  held-out run fell only 19% in all.
 """
 
 from __future__ import annotations

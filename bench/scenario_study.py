@@ -1,12 +1,13 @@
 """Offline study: which cross-rank signal, and which decision on it, catches a straggler soonest.
 
-Not the pipeline (the tables above are): the recorded values go straight into ``CrossRank`` (the
-defaults' parameters: ``min_rel=0.02``), and each rank's per-step score is turned back into its
-|z| (``z_scale * Phi^-1((1 + score) / 2)``). Three signals: ``step_time_s`` (up),
+Not the pipeline (the tables above are): the recorded values go straight into ``CrossRank``
+(``min_rel=0.02``), and each rank's per-step score is turned back into its |z|
+(``z_scale * Phi^-1((1 + score) / 2)``). Three signals: ``step_time_s`` (up),
 ``collective_time_s`` (down: in DDP the straggler is the rank that waits least) and the compute
 time a rank spent outside collectives and the data loader, ``step_time_s - collective_time_s -
-data_wait_s`` (up; not published today). Three decisions per rank: the default (|z| > 7.7 on 2
-steps in a row), a lower threshold (|z| > 4.9 on 2 steps), and a one-sided CUSUM on z
+data_wait_s`` (up). This study is why the hook now publishes that as ``compute_time_s`` and the
+default rules watch it with ``CrossRank``'s own CUSUM. Three decisions per rank: |z| > 7.7 on 2
+steps in a row (the first defaults), |z| > 4.9 on 2 steps, and a one-sided CUSUM on z
 (``S = max(0, S + z - k)``, an alarm when ``S > h``, restarted after it). A false alarm is one
 outside a fault's window; clean rank-steps are counted as in the tables.
 """
@@ -19,7 +20,7 @@ from scipy.special import ndtri
 from stream_processors.detectors import CrossRank
 
 SIGNALS = {"step_time_s": "up", "collective_time_s": "down", "compute (derived)": "up"}
-DECISIONS = {"z > 7.7, 2 steps (default)": ("run", 7.7, 2), "z > 4.9, 2 steps": ("run", 4.9, 2),
+DECISIONS = {"z > 7.7, 2 steps (first defaults)": ("run", 7.7, 2), "z > 4.9, 2 steps": ("run", 4.9, 2),
              "CUSUM k=2 h=10": ("cusum", 2.0, 10.0)}
 
 

@@ -21,7 +21,8 @@ Scoring, per run:
   starts one step earlier, since a hung rank's last step is the one before it hung;
 - detected: a firing alert of the scenario's condition family (detector and metric) whose step is
   within ``DETECT`` steps of a one-step fault, or while a longer fault lasts (an alert when a
-  straggler recovers is no detection); delay = that alert's step minus the onset, latency = the
+  straggler recovers is no detection); for a hung or exiting rank (goals in seconds), a stall
+  alert sent after the fault's injection (a rank that dies takes its unsent last steps with it); delay = that alert's step minus the onset, latency = the
   wall time from the fault's injection on the rank to the alert leaving stage 2;
 - names rank: for a fault on one rank, that alert lists the rank (and not every rank);
 - false alerts: firing alerts (each incident once, however many times grouping re-sends it) of
@@ -93,10 +94,10 @@ SCENARIOS = {s.name: s for s in (
              family=("loss", "grad_norm", "update_ratio", "param_norm"),
              about="learning rate x100 on every rank for 30 steps (gradient explosion)"),
     Scenario("straggler_ddp", fault="straggler", duration=50, goal="steps",
-             family=("step_time_s", "collective_time_s", "data_wait_s", "samples_per_s"),
+             family=("compute_time_s", "step_time_s", "collective_time_s", "data_wait_s", "samples_per_s"),
              about="one rank's step takes 10 ms more for 50 steps (~30 ms steps), DDP: every rank waits for it"),
     Scenario("straggler_indep", ddp=False, fault="straggler", duration=50, goal="steps",
-             family=("step_time_s", "data_wait_s", "samples_per_s"),
+             family=("compute_time_s", "step_time_s", "data_wait_s", "samples_per_s"),
              about="the same, ranks not synchronised (~20 ms steps): only the straggler slows"),
     Scenario("hang", fault="hang", family=("steps",), detectors=("stall",), goal="seconds",
              about="one rank's training thread hangs 12 s (heartbeats go on); DDP peers wait in the all-reduce"),
@@ -175,7 +176,10 @@ def score_run(spec: RunSpec, sc: Scenario, emitted: list[Emitted], last_step: in
     hits, false, run_end, other = [], [], [], []
     for e in firing:
         a = e.alert
-        if lo is not None and lo <= a.step < hi:
+        inside = lo is not None and lo <= a.step < hi
+        if sc.goal == "seconds" and injected is not None and _matches(a, sc):
+            inside = e.at >= injected  # a stall is timed, not stepped: a dead rank's last steps die with it
+        if inside:
             (hits if _matches(a, sc) else other).append(e)
         elif a.detector == "stall" and a.step >= last_step - 1:
             run_end.append(e)  # the run ended; a stall alert then means the end was not announced
