@@ -257,9 +257,9 @@ class TrainerHook:
                                           ("tokens_per_s", self._tokens, self.tokens_per_step)):
                 if counts or default is not None:
                     metrics[name] = Derived(lambda v, e=elapsed: math.fsum(v) / e, counts or [default])
-        waited, collective = 0.0, 0.0
+        waited, collective = self._data_wait or 0.0, 0.0
         if self._data_wait is not None:
-            metrics["data_wait_s"], self._data_wait, waited = self._data_wait, 0.0, self._data_wait
+            metrics["data_wait_s"], self._data_wait = self._data_wait, 0.0
         if self._timer is not None:
             metrics["collective_time_s"] = collective = self._timer.take()
         if "step_time_s" in metrics:

@@ -35,11 +35,10 @@ class CrossRank(Detector):
     larger of the peers' MAD-sigma at this step and the typical cross-rank sigma learned over past
     steps (so three ranks that happen to agree closely do not make the third look wild); up to 64
     ranks the peers leave the rank itself out. The median cannot be dragged by a minority of bad
-    ranks, whatever their number. With exactly two
-    ranks the median sits halfway and both deviate equally, so the data cannot say which one is
-    wrong: a rank then scores only as much as it also deviates from its *own* history (an
-    exponentially weighted mean and mean absolute deviation per rank, weight ``alpha``), and the
-    rank that changed is named. Scores are ``2*Phi(|z| / z_scale) - 1``; the default threshold
+    ranks, whatever their number. With exactly two ranks the median sits halfway and both deviate
+    equally, so the data cannot say which one is wrong: a rank then scores only as much as it
+    also deviates from its *own* history (an exponentially weighted mean and mean absolute
+    deviation per rank, weight ``alpha``), and the rank that changed is named. Scores are ``2*Phi(|z| / z_scale) - 1``; the default threshold
     0.99 with ``z_scale=3`` fires at |z| > 7.7.
 
     With ``cusum_k > 0`` each rank's z accumulates instead, a one-sided CUSUM per rank:
@@ -51,8 +50,8 @@ class CrossRank(Detector):
 
     ``min_rel`` floors the unit at that fraction of the peer median: with 0.02 for step time, a
     rank must be about 15% slower than its peers, on the steadiest cluster, to be called a
-    straggler. ``direction="up"`` suits step time (only
-    slow ranks are stragglers); "both" suits loss and grad norm (a diverging rank goes either way).
+    straggler. ``direction="up"`` suits step time (only slow ranks are stragglers); "both" suits
+    loss and grad norm (a diverging rank goes either way).
 
     Scoring 1,024 ranks costs two medians of 1,024 values per step; up to 64 ranks, one median
     per rank of the others.
