@@ -5,16 +5,15 @@ would use instead, in the same process and run.
    values (floats, and 0-d tensors), ``wandb.log`` of the same 4 values in offline mode, and
    TensorBoard's ``SummaryWriter.add_scalar`` x 4. A little tensor work runs between calls, as a
    training step would, so rankwatch's sender thread runs concurrently, as it does in training.
-2. A small CPU training step with and without ``TrainerHook``, blocks interleaved, publishing to a
-   real embedded broker; the overhead is the median of the per-block ratios, with a bootstrap 95%
-   interval and an A/A comparison (no hook vs no hook) as the noise floor.
-3. Wire encodings of a telemetry batch: encode/decode time and bytes per value.
-4. Bounded memory: a publisher whose broker is down, flooded; the queue bound and the drop count.
+2. Wire encodings of a telemetry batch: encode/decode time and bytes per value.
+3. Bounded memory: a publisher whose broker is down, flooded; the queue bound and the drop count.
+
+What the hook costs a whole training step is ``bench/step_cost.py``'s question.
 
 wandb and tensorboard are not rankwatch dependencies: ``pip install wandb tensorboard`` to include
 them (the table says when one is missing). Nothing is asserted; it prints tables.
 
-    python bench/log_cost.py [--calls 20000] [--blocks 15] [--bootstrap HOST:PORT]
+    python bench/log_cost.py [--calls 20000] [--sections 123]
 """
 
 from __future__ import annotations
@@ -33,9 +32,9 @@ import zlib
 import numpy as np
 import torch
 
-from producers import RankPublisher, TrainerHook
+from producers import RankPublisher
 from producers.system import rss_bytes
-from rankwatch.broker import EmbeddedBroker, free_port
+from rankwatch.broker import free_port
 from rankwatch.contract import Series, TelemetryBatch
 
 VALUES = {"loss": 0.5, "grad_norm": 1.25, "lr": 3e-4, "tokens_per_s": 12_345.0}
@@ -108,80 +107,6 @@ def section_calls(calls: int) -> None:
         print(f"| {name:32} | {med:8.2f} | {p99:8.2f} | {mean:8.2f} | {ratio:>20} |")
 
 
-def _model(kind: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    if kind == "tiny":  # ~4k parameters: a fraction of a millisecond per step
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-        x, y = torch.randn(32, 32, generator=g), torch.randint(10, (32,), generator=g)
-    else:  # ~1.6M parameters: a few milliseconds per step
-        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                    torch.nn.ReLU(), torch.nn.Linear(1024, 10))
-        x, y = torch.randn(64, 256, generator=g), torch.randint(10, (64,), generator=g)
-    return model, x, y
-
-
-def _block(model, opt, pub, x, y, steps: int, hooked: bool) -> float:
-    """Seconds per step over ``steps`` steps, with a fresh hook (publishing to ``pub``) or none."""
-    hook = TrainerHook(model, opt, pub, samples_per_step=len(x)) if hooked else None
-    started = time.perf_counter()
-    for _ in range(steps):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if hook is not None:
-            hook.set_loss(loss)
-        opt.step()
-    elapsed = (time.perf_counter() - started) / steps
-    if hook is not None:
-        hook.detach()
-    return elapsed
-
-
-class _Discard:
-    """A publisher that drops everything: what is left is the hook's cost on the training thread."""
-
-    def log(self, metrics, step) -> None:
-        pass
-
-    def add_sampler(self, sampler) -> None:
-        pass
-
-
-def _interval(ratios: np.ndarray) -> str:
-    boot = np.median(np.random.default_rng(0).choice(ratios, (2000, len(ratios))), axis=1)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return f"{np.median(ratios):+.2%} [{lo:+.2%}, {hi:+.2%}]"
-
-
-def section_step(bootstrap: str, blocks: int) -> None:
-    print(f"\n## 2. A CPU training step with and without TrainerHook ({blocks} interleaved blocks)\n")
-    print("Median of per-block ratios to the plain step, [bootstrap 95% interval]. 'hook + broker': the hook,")
-    print("publishing to the embedded broker, which runs on the same cores; 'hook, nothing sent': the")
-    print("training-thread cost alone (a publisher that drops every point); A/A: plain vs plain, the noise.\n")
-    print("| model | params | plain step (ms) | hook + broker | hook, nothing sent | A/A |")
-    print("|---|---|---|---|---|---|")
-    for kind, steps in (("tiny", 400), ("small", 30)):
-        model, x, y = _model(kind)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        live = RankPublisher(run=f"bench-{kind}-{int(time.time())}", rank=0, world_size=1, bootstrap=bootstrap)
-        configs = {"plain": None, "live": live, "idle": _Discard(), "plain again": None}
-        times: dict[str, list[float]] = {name: [] for name in configs}
-        for pub in configs.values():  # warm-up: allocator, connection, first batches
-            _block(model, opt, pub, x, y, steps, pub is not None)
-        names = list(configs)
-        for i in range(blocks):
-            for name in names[i % 4:] + names[:i % 4]:  # rotated, so no configuration always goes first
-                pub = configs[name]
-                gc.collect()  # each block starts without the previous one's garbage
-                times[name].append(_block(model, opt, pub, x, y, steps, pub is not None))
-        live.close()
-        plain = np.array(times["plain"])
-        params = sum(p.numel() for p in model.parameters())
-        cells = [_interval(np.array(times[name]) / plain - 1) for name in ("live", "idle", "plain again")]
-        print(f"| {kind} | {params:,} | {np.median(plain) * 1e3:.3f} | " + " | ".join(cells) + " |")
-        assert live.stats().failed == 0, live.stats()
-
-
 def _batch(metrics: int, steps: int) -> TelemetryBatch:
     rng = np.random.default_rng(0)
     series = {f"metric_{m}": Series(np.arange(1000, 1000 + steps), rng.lognormal(size=steps)) for m in range(metrics)}
@@ -236,7 +161,7 @@ def _encoders():
 
 
 def section_encoding() -> None:
-    print("\n## 3. Encoding a telemetry batch (per value: µs to encode, µs to decode, bytes; zlib-6 bytes)\n")
+    print("\n## 2. Encoding a telemetry batch (per value: µs to encode, µs to decode, bytes; zlib-6 bytes)\n")
     shapes = ((16, 1, "one step of 16 metrics (a heartbeat, or one step per message)"),
               (16, 64, "64 steps of 16 metrics (a batch under load)"))
     for metrics, steps, label in shapes:
@@ -264,7 +189,7 @@ def section_encoding() -> None:
 
 
 def section_memory() -> None:
-    print("## 4. Bounded memory: the broker is down and the training thread floods log()\n")
+    print("## 3. Bounded memory: the broker is down and the training thread floods log()\n")
     gc.collect()
     before = rss_bytes() or 0.0
     pub = RankPublisher(run="bench-down", rank=0, world_size=1, bootstrap=f"127.0.0.1:{free_port()}",
@@ -285,23 +210,23 @@ def section_memory() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=20_000, help="calls timed per logger (default 20000)")
-    ap.add_argument("--blocks", type=int, default=15, help="interleaved blocks per model (default 15)")
-    ap.add_argument("--bootstrap", help="a running broker; default: start the embedded one")
+    ap.add_argument("--calls", type=int, default=20_000, help="section 1: calls timed per logger (default 20000)")
+    ap.add_argument("--sections", default="123", help="which sections to run, e.g. 1 or 23 (default 123)")
     args = ap.parse_args(argv)
+    if not args.sections or set(args.sections) - set("123"):
+        ap.error(f"--sections takes digits 1 to 3, got {args.sections!r}")
     # The offline publishers' "broker unreachable" and "queue full" warnings; the tables count them.
     logging.getLogger("producers").setLevel(logging.ERROR)
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads 1")
-    section_calls(args.calls)
-    if args.bootstrap:
-        section_step(args.bootstrap, args.blocks)
-    else:
-        with tempfile.TemporaryDirectory() as tmp, EmbeddedBroker(port=free_port(), log_path=f"{tmp}/broker.log") as broker:
-            section_step(broker.bootstrap, args.blocks)
-    section_encoding()
-    section_memory()
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads 1, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if "1" in args.sections:
+        section_calls(args.calls)
+    if "2" in args.sections:
+        section_encoding()
+    if "3" in args.sections:
+        section_memory()
 
 
 if __name__ == "__main__":

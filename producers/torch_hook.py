@@ -208,7 +208,7 @@ class TrainerHook:
 
     # -- step boundaries (hooked into the optimizer, or called by an adapter) --------------------
 
-    @torch.no_grad()
+    @torch.no_grad()  # the weight snapshot (and grads made with create_graph=True) would grow a graph
     def before_step(self) -> None:
         """Just before the optimizer updates the weights: gradient statistics and the weight snapshot."""
         # The only device work on this thread: one fused per-tensor norm. The global norm (the
@@ -224,7 +224,6 @@ class TrainerHook:
         if self.weight_stats_every and self.step % self.weight_stats_every == 0:
             self._snapshot = [torch._foreach_mul(group, 1.0) for group in self._groups]  # fused copies
 
-    @torch.no_grad()
     def after_step(self) -> None:
         """Just after the update: learning rate, and the weight statistics when a snapshot was taken."""
         groups = self.optimizer.param_groups
@@ -233,11 +232,12 @@ class TrainerHook:
             if lr is not None:
                 self._metrics["lr" if i == 0 else f"lr/group{i}"] = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
         if self._snapshot is not None:
-            for old, group in zip(self._snapshot, self._groups):
-                torch._foreach_sub_(old, group)  # old - new: the update, negated
-            weights = norms(self._groups)
-            self._metrics["param_norm"] = Derived(l2, weights)
-            self._metrics["update_ratio"] = Derived(_update_ratio, norms(self._snapshot) + weights)
+            with torch.no_grad():  # only this branch needs it: entering no_grad costs microseconds per step
+                for old, group in zip(self._snapshot, self._groups):
+                    torch._foreach_sub_(old, group)  # old - new: the update, negated
+                weights = norms(self._groups)
+                self._metrics["param_norm"] = Derived(l2, weights)
+                self._metrics["update_ratio"] = Derived(_update_ratio, norms(self._snapshot) + weights)
             self._snapshot = None
 
     def end_step(self, step: int | None = None, *, skipped: Any = None) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import consume_json
 
+from producers import publisher as publisher_module
 from producers.collectives import CollectiveTimer, busy_time
 from producers.publisher import RankPublisher, rank_identity
 from producers.system import ProcessSampler
@@ -28,7 +29,8 @@ def _offline(**kwargs) -> RankPublisher:
                          connect_timeout_s=0.2, **kwargs)
 
 
-def test_a_full_queue_drops_counts_and_logs_and_keeps_its_bound(caplog):
+def test_a_full_queue_drops_counts_and_logs_and_keeps_its_bound(caplog, monkeypatch):
+    monkeypatch.setattr(publisher_module, "_POLL_S", 30.0)
     publisher = _offline(max_queue=100, linger_s=30)  # the sender sleeps through the burst
     with caplog.at_level(logging.WARNING, logger="producers.publisher"):
         for step in range(1000):
@@ -167,10 +169,10 @@ def test_heartbeats_flow_while_a_value_waits_on_its_device_then_it_is_published(
     losses = [(s, v) for b in sorted(batches, key=lambda b: b["seq"]) if "loss" in b["series"]
               for s, v in zip(b["series"]["loss"]["steps"], b["series"]["loss"]["values"])]
     assert losses == [(0, 1.0), (1, 7.0), (2, 3.0)]  # in order, the stuck one included
+    assert all({HEARTBEAT, "rss_bytes", "cpu_percent"} <= set(b["series"]) for b in beats)  # samplers ride along
+    # The points released just before close() leave in its final batch.
     last = max(batches, key=lambda b: b["seq"])
-    assert {HEARTBEAT, "rss_bytes", "cpu_percent"} <= set(last["series"])  # samplers ride on heartbeats
-    # close() had no data left to send, so its final word is a heartbeat marked final.
-    assert [b["seq"] for b in batches if b["final"]] == [last["seq"]]
+    assert [b["seq"] for b in batches if b["final"]] == [last["seq"]] and "loss" in last["series"]
 
 
 @pytest.mark.broker
@@ -189,3 +191,23 @@ def test_values_that_are_not_numbers_are_skipped_and_counted(bootstrap, run_id, 
     assert [b["final"] for b in sorted(batches, key=lambda b: b["seq"])][-1:] == [True]  # the data batch itself
     assert "loss" in max(batches, key=lambda b: b["seq"])["series"]
     assert sorted(v for s in series if "loss" in s for v in s["loss"]["values"]) == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.broker
+def test_points_share_a_message_until_the_linger_passes_but_a_nan_goes_at_once(bootstrap, run_id):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[],
+                              linger_s=30.0, heartbeat_s=60.0)
+    for step in range(5):
+        publisher.log({"loss": 1.0 + step}, step)
+        time.sleep(0.05)  # several sender wake-ups: the points wait together
+    publisher.log({"loss": float("nan")}, 5)
+    [batch] = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, timeout_s=10)
+    assert batch["series"]["loss"]["steps"] == [0, 1, 2, 3, 4, 5]  # one message, long before the linger
+    assert batch["series"]["loss"]["values"][-1] == "NaN"
+    publisher.log({"loss": 2.0}, 6)
+    assert publisher.flush(timeout_s=10)  # flush() does not wait for the linger either
+    publisher.close()
+    assert publisher.stats().sent == 3  # the NaN's batch, the flushed one, close()'s final heartbeat
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, count=3)
+    last = max(batches, key=lambda b: b["seq"])
+    assert last["final"] and set(last["series"]) == {HEARTBEAT}  # nothing left to send: a final heartbeat

@@ -27,7 +27,8 @@ def _rank_main(rank: int, port: int, bootstrap: str, run: str) -> None:
                       RANKWATCH_RUN=run, RANKWATCH_BOOTSTRAP=bootstrap)
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
-    publisher = RankPublisher.from_env(samplers=[], heartbeat_s=0.5)
+    # Frequent batches and heartbeats: the stall detector learns the pace within the 20 steps.
+    publisher = RankPublisher.from_env(samplers=[], heartbeat_s=0.5, linger_s=0.1)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     TrainerHook(model, opt, publisher)
