@@ -211,3 +211,14 @@ def test_points_share_a_message_until_the_linger_passes_but_a_nan_goes_at_once(b
     batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, count=3)
     last = max(batches, key=lambda b: b["seq"])
     assert last["final"] and set(last["series"]) == {HEARTBEAT}  # nothing left to send: a final heartbeat
+
+
+@pytest.mark.broker
+def test_producer_config_overrides_the_publishers_own_kafka_settings(bootstrap, run_id):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[],
+                              producer_config={"linger_ms": 3, "acks": "all"})
+    publisher.log({"loss": 1.0}, 0)
+    publisher.close()
+    stats = publisher.stats()
+    assert (stats.sent, stats.failed) == (1, 0)  # a duplicate keyword once failed every send
+    assert publisher._producer.config["acks"] == -1  # "all"
