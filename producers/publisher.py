@@ -7,9 +7,8 @@ of many metrics into one message and hands it to kafka-python once the oldest po
 ``linger_s`` (0.5 s), or at once when a value is NaN or infinite. Each message costs the training
 process about 3 ms of CPU in kafka-python and our encoding, on threads that share its GIL, so fewer
 messages mean a faster training step (``bench/step_cost.py``), while a NaN still leaves within
-0.1 s. A broker that is down or slow
-costs the training thread nothing: the queue bound holds and overflow is counted in ``stats()`` and
-logged, never silent and never raised.
+0.1 s. A broker that is down or slow costs the training thread nothing: the queue bound holds and
+overflow is counted in ``stats()`` and logged, never silent and never raised.
 
 The sender thread also publishes a heartbeat every ``heartbeat_s``: a telemetry batch whose series
 ``heartbeat_age_s`` is the time since the last ``log()`` (its step: the last logged step), with the
@@ -42,7 +41,6 @@ from rankwatch.contract import HEARTBEAT, Series, TelemetryBatch
 from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
 
 log = logging.getLogger(__name__)
-
 
 _STOP = object()
 _OPEN: weakref.WeakSet = weakref.WeakSet()
