@@ -23,8 +23,8 @@ the bench's author; chosen on seeds 0-2, so check them on others with ``--first-
   ``for = 2``: a straggler 4-5 sigmas slow never passes the threshold on one step but adds up in
   2-3. Peers leave the rank itself out of their median and MAD (with four ranks a straggler inside
   the MAD hid itself). On seeds 0-2 (a recording at the publisher's former 0.1 s linger; offline,
-  before cooldowns) k = 2 fired 0.9 times per 10k
-  clean rank-steps and k = 3 never, at median delays of 1 and 1.5 steps (max 4 and 5).
+  before cooldowns) k = 2 fired 0.9 times per 10k clean rank-steps and k = 3 never, at median
+  delays of 1 and 1.5 steps (max 4 and 5).
 - ``collapse`` on evaluation metrics (``eval_*``, ``*accuracy*``), with windows sized for a metric
   logged every few steps (the reward rule's 100-point reference takes 500 steps to fill there),
   and a 15% drop (not 25%): a label bug's accuracy falls steadily rather than at once, and one
