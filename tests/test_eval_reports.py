@@ -180,6 +180,11 @@ def test_a_restarted_worker_resumes_an_evaluation_from_its_changelog(eval_stack,
     [partial] = _reports(eval_bootstrap, run_id, lambda r: not r["provisional"])
     eval_stack.restart_workers()  # in-memory state is gone; the table comes back from its changelog
     _send(producer, *_shards(run_id, correct, ranks=[3]))
-    [amended] = _reports(eval_bootstrap, run_id, lambda r: r["complete"], timeout_s=40)
+    found = _reports(eval_bootstrap, run_id, lambda r: r["complete"], timeout_s=60)
+    if not found:  # failed once in a clean-clone CI run, never in ten local ones: say what the worker saw
+        seen = [(r["revision"], r["n_samples"], r["complete"]) for r in _reports(eval_bootstrap, run_id, count=99, timeout_s=2)]
+        worker = "\n".join(line for w in eval_stack.workers for line in w.tail)
+        pytest.fail(f"no complete report after the restart; reports (revision, samples, complete): {seen}\n{worker}")
+    [amended] = found
     assert amended["n_samples"] == N and amended["revision"] > partial["revision"]  # not a fresh state
     assert amended["metrics"]["correct"]["mean"] == pytest.approx(correct.mean())
