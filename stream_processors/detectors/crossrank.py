@@ -115,9 +115,6 @@ class CrossRank(Detector):
             raise ValueError("CrossRank takes one row of per-rank values, or a 2-D array of rows")
         return np.atleast_2d(values)
 
-    def _peer_unit(self, median: float, step_sigma: float) -> float:
-        return max(step_sigma, self.spread, self.min_scale, self.min_rel * abs(median))
-
     def _step_sigma(self, finite: np.ndarray, median: float) -> float:
         """This step's cross-rank sigma: MAD-based from three ranks on, pair-based for two."""
         if len(finite) == 2:
@@ -141,24 +138,23 @@ class CrossRank(Detector):
         finite = row[ok]
         if self.steps < self.warmup or len(finite) < 2:
             return magnitude
+        centre, sigma = self._peers(finite)
+        unit = np.maximum(np.maximum(sigma, max(self.spread, self.min_scale)), self.min_rel * np.abs(centre))
+        found = directed(standardise(finite, centre, unit), self.direction)
         if len(finite) == 2:
-            median = 0.5 * (finite[0] + finite[1])
-            found = directed(standardise(finite, median, self._peer_unit(median, 0.0)), self.direction)
             found = np.minimum(found, directed(self._self_z(row)[ok], self.direction))
-        else:
-            centre, sigma = self._peers(finite)
-            unit = np.maximum(np.maximum(sigma, max(self.spread, self.min_scale)), self.min_rel * np.abs(centre))
-            found = directed(standardise(finite, centre, unit), self.direction)
         magnitude[ok] = found
         return magnitude
 
     def _peers(self, finite: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each rank's peer median and the peers' MAD-sigma (pair-based when two peers are left).
+        """Each rank's peer median and the peers' MAD-sigma at this step (pair-based when two are left).
 
         Up to ``_LEAVE_ONE_OUT_MAX`` ranks the peers of a rank leave it out: among four ranks, a
         straggler inside the median and MAD would widen the yardstick it is measured with.
         """
         n = len(finite)
+        if n == 2:  # the midpoint, and no spread of this step: each rank would be the other's yardstick
+            return np.full(2, 0.5 * (finite[0] + finite[1])), np.zeros(2)
         if n > _LEAVE_ONE_OUT_MAX:
             median = float(median_rows(finite[None, :])[0])
             return np.full(n, median), np.full(n, self._step_sigma(finite, median))
