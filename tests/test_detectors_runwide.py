@@ -109,12 +109,31 @@ def test_stall_does_not_learn_a_ranks_slow_start_as_its_pace():
     assert Stall(**d.state_dict()).paced == d.paced == {0, 1, 2, 3}
 
 
+def test_stall_ranks_that_stop_together_are_one_run_stall_even_if_they_arrive_apart():
+    d = Stall(min_bound_s=0.0)
+    last = _beat(d, range(4), 0.0, 30)
+    d.observe(1, last + 1.0)
+    d.observe(2, last + 1.2)  # the last steps before a DDP hang reach the worker up to 2 s apart
+    d.observe(3, last + 2.9)
+    assert d.check(now=last + 11.0) == []  # rank 0 past its bound, but its peers stopped with it
+    (run,) = d.check(now=last + 13.0)
+    assert run.rank is None and run.silent_s == pytest.approx(10.1)
+    for r in (2, 0, 3):
+        d.observe(r, last + 30.0)  # the run resumes; rank 1's first step arrives last
+    assert d.check(now=last + 31.0) == []
+    end = _beat(d, [0, 2, 3], last + 31.0, 80)
+    assert d.bound() < 60.0
+    stalled = d.check(now=end + 1.0)  # silent for a bound since the others resumed: stalled alone
+    assert [s.rank for s in stalled] == [1] and stalled[0].silent_s == pytest.approx(end + 1.0 - last - 30.0)
+
+
 def test_stall_fixed_bound_needs_no_warmup_and_ignores_out_of_order_stamps():
     d = Stall(bound_s=60.0)
     d.observe(0, 100.0)
     d.observe(1, 100.0)
     d.observe(1, 50.0)  # late duplicate: ignored
     assert d.check(now=150.0) == []
+    d.observe(0, 130.0)
     d.observe(0, 170.0)
     assert [s.rank for s in d.check(now=171.0)] == [1]
 

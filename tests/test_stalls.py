@@ -60,7 +60,9 @@ def test_a_hung_rank_in_a_ddp_job_is_named_and_its_waiting_peers_are_not(bootstr
     def stall(a: dict) -> bool:
         return a["run"] == run_id and a["detector"] == "stall"
 
-    firing, resolved = consume_json(bootstrap, contract.ALERTS, stall, count=2, timeout_s=20)
+    alerts = consume_json(bootstrap, contract.ALERTS, stall, count=2, timeout_s=20)
+    assert [a["status"] for a in alerts] == ["firing", "resolved"], alerts
+    firing, resolved = alerts
     assert (firing["status"], firing["ranks"], firing["step"]) == ("firing", [HUNG], HANG_AT - 1), firing
     assert "ranks 0, 1 blocked in a collective" in firing["message"]
     assert (resolved["status"], resolved["ranks"]) == ("resolved", [HUNG])

@@ -38,7 +38,8 @@ class Stall(Detector):
     Tracking ranks is the other half, and the one that needs a clock: ``observe(rank, ts)`` for
     each heartbeat (learning the gap since that rank's previous one), and ``check(now)`` for the
     ranks silent too long, as :class:`Stalled` records; when every tracked rank is stalled it
-    returns one record with ``rank=None`` (the run stalled) instead of one per rank. The caller
+    returns one record with ``rank=None`` (the run stalled) instead of one per rank. A rank is
+    stalled alone only if another rank stepped at least half a bound after it stopped. The caller
     supplies ``now``; the detector never reads a clock. ``forget(rank)`` stops tracking a rank
     that finished.
 
@@ -73,6 +74,7 @@ class Stall(Detector):
         peaks: Sequence[float] = (0.0, 0.0),
         last_seen: Mapping[str | int, float] | None = None,
         paced: Sequence[int] = (),
+        resumed: float | None = None,
     ):
         if bound_s is not None and bound_s <= 0:
             raise ValueError("bound_s must be positive")
@@ -88,6 +90,7 @@ class Stall(Detector):
         self.peaks = sorted((float(p) for p in peaks), reverse=True)
         self.last_seen = {int(rank): float(ts) for rank, ts in (last_seen or {}).items()}
         self.paced = {int(rank) for rank in paced}  # ranks past their first gap
+        self.resumed = resumed  # when the run last came back from a whole-run stall
 
     def bound(self) -> float:
         """Seconds of silence that score the threshold; ``inf`` while warming up without ``bound_s``."""
@@ -125,6 +128,8 @@ class Stall(Detector):
         if last is not None:
             if ts <= last:
                 return
+            if ts - last >= self.bound() and max(self.last_seen.values()) <= ts - self.bound():
+                self.resumed = float(ts)  # the first step after a whole-run stall
             if rank in self.paced:
                 self.learn(np.array([ts - last]))
             self.paced.add(rank)
@@ -142,12 +147,17 @@ class Stall(Detector):
         ranks = sorted(self.last_seen)
         silent = np.array([max(now - self.last_seen[r], 0.0) for r in ranks])
         scores = self.score(silent)
-        stalled = self.decide(scores)
         bound = self.bound()
-        if stalled.all():
-            quietest = int(np.argmin(silent))  # the run is as alive as its most recent heartbeat
+        quietest = int(np.argmin(silent))  # the run is as alive as its most recent heartbeat
+        if self.decide(scores).all():
             return [Stalled(None, float(silent[quietest]), bound, float(scores[quietest]))]
-        return [Stalled(r, float(s), bound, float(sc)) for r, s, sc, bad in zip(ranks, silent, scores, stalled) if bad]
+        # A rank is stalled alone only if another stepped well after it stopped. Ranks that stop
+        # together (a DDP job waiting on one rank) reach the worker up to seconds apart, and so do
+        # their first steps when the run resumes: neither is one rank's stall.
+        alone = silent if self.resumed is None else np.minimum(silent, now - self.resumed)
+        scores = self.score(alone)
+        stalled = self.decide(scores) & (alone - silent[quietest] >= 0.5 * bound)
+        return [Stalled(r, float(s), bound, float(sc)) for r, s, sc, bad in zip(ranks, alone, scores, stalled) if bad]
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -162,4 +172,5 @@ class Stall(Detector):
             "peaks": list(self.peaks),
             "last_seen": {str(rank): ts for rank, ts in self.last_seen.items()},
             "paced": sorted(self.paced),
+            "resumed": self.resumed,
         }
