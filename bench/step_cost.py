@@ -218,13 +218,15 @@ def _mean_ci(x: np.ndarray, chunks: int = 20) -> tuple[float, float]:
     return float(np.mean(x)), float(ci.high)
 
 
-def _alone(arm: _Arm, seconds: float, broker_pid: int | None, probe=lambda: None) -> dict:
+def _alone(arm: _Arm, seconds: float, others: dict[str, int | None], probe=lambda: None) -> dict:
     """Run one copy alone for about ``seconds``: per step, the training thread's blocked time (wall
     minus CPU minus run-queue time: waiting for the GIL), and CPU nanoseconds of every thread of
-    this process and of the broker over the whole run. ``probe()`` runs after each step, untimed."""
+    this process and of the ``others`` processes (name: pid) over the whole run. ``probe()`` runs
+    after each step, untimed."""
     clocks, blocked = _Clocks(), []
+    others = {name: pid for name, pid in others.items() if pid}
     gc.collect()
-    before, broker_before = _cpu_ns("self"), _cpu_ns(broker_pid) if broker_pid else {}
+    before, others_before = _cpu_ns("self"), {name: _cpu_ns(pid) for name, pid in others.items()}
     deadline = time.perf_counter() + seconds
     while len(blocked) < 50 or time.perf_counter() < deadline:
         w0, c0, q0 = clocks.read()
@@ -235,9 +237,12 @@ def _alone(arm: _Arm, seconds: float, broker_pid: int | None, probe=lambda: None
     if arm.publisher is not None:
         arm.publisher.flush()  # the sender's work for these steps is done before its CPU time is read
     clocks.close()
-    after, broker_after = _cpu_ns("self"), _cpu_ns(broker_pid) if broker_pid else {}
-    return {"steps": len(blocked), "blocked": np.array(blocked), "threads": (before, after),
-            "broker": _spent_ns(broker_before, broker_after, broker_after) if broker_pid else None}
+    after = _cpu_ns("self")
+    spent = {}
+    for name, pid in others.items():
+        now = _cpu_ns(pid)
+        spent[name] = _spent_ns(others_before[name], now, now)
+    return {"steps": len(blocked), "blocked": np.array(blocked), "threads": (before, after), "others": spent}
 
 
 def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_s: float | None,
@@ -264,7 +269,7 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
                 arm.step()
             arm.detach()
         pub.flush()
-        publisher_tids = set(os.listdir("/proc/self/task")) - own  # its sender and kafka-python's I/O thread
+        publisher_tids = set(os.listdir("/proc/self/task")) - own  # its sender thread
         gc.collect()
         wall, cpu = _rounds(arms, pub, seconds, 120, rng)
 
@@ -273,11 +278,12 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
         # after each step measures what the timer adds, with the caches as a step leaves them.
         arms[2].attach(pub)
         spent, timer = _time_callbacks(arms[2].hook), [0.0]
-        hooked = _alone(arms[2], seconds / 4, broker_pid, _timed(lambda: None, timer))
+        hooked = _alone(arms[2], seconds / 4, {"broker": broker_pid, "shipper": pub.shipper_pid},
+                        _timed(lambda: None, timer))
         arms[2].detach()
         pub.close()
         assert pub.stats().failed == 0 and pub.stats().dropped == 0, pub.stats()
-        control = _alone(arms[0], seconds / 4, None)  # no publisher threads left: the GIL is the training thread's
+        control = _alone(arms[0], seconds / 4, {})  # no publisher threads left: the GIL is the training thread's
 
         steps, plain = hooked["steps"], float(np.median(cpu[0]))
         each = {name: (cpu_s - timer[0]) / steps for name, (cpu_s,) in spent.items()}
@@ -285,17 +291,18 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
         gil, gil_high = _mean_ci(hooked["blocked"])
         control_gil = float(np.mean(control["blocked"]))
         sender = _spent_ns(*hooked["threads"], publisher_tids) / steps / 1e9
-        broker = "not ours" if hooked["broker"] is None else f"{hooked['broker'] / steps / 1e3:.0f}"
+        broker = f"{hooked['others']['broker'] / steps / 1e3:.0f}" if broker_pid else "not ours"
+        shipper = hooked["others"]["shipper"] / steps / 1e9
         params = sum(p.numel() for p in arms[0].model.parameters())
         budget_rows.append(f"| {label} | {params:,} | {plain * 1e3:.3f} | {in_hook * 1e6:.1f} | {gil * 1e6:.1f} "
-                           f"| {control_gil * 1e6:.1f} | {sender * 1e6:.1f} | {broker} |")
+                           f"| {control_gil * 1e6:.1f} | {sender * 1e6:.1f} | {shipper * 1e6:.1f} | {broker} |")
         paired_rows.append(f"| {label} | {wall.shape[1]:,} | {np.median(wall[0]) * 1e3:.3f} | "
                            + " | ".join(_ratio(t[k], t[0], stat)[0] for k in (2, 1)
                                         for t, stat in ((cpu, np.mean), (wall, np.median))) + " |")
         callback_rows.append(f"| {label} | " + " | ".join(f"{each[name] * 1e6:.1f}" for name in _CALLBACKS) + " |")
         _, synced, synced_high = _ratio(cpu[2], cpu[0], np.mean)
         verdict_rows.append(f"| {label} | {plain * 1e3:.3f} | {in_hook / plain:.2%} | {synced:+.2%} | {gil / plain:.2%} "
-                            f"| {synced_high + gil_high / plain:.2%} | {sender / plain:.2%} |")
+                            f"| {synced_high + gil_high / plain:.2%} | {(sender + shipper) / plain:.2%} |")
 
     print("**Paired single steps.** Rounds of one step per copy, in a fresh random order each round, so")
     print("drift in machine speed hits all three alike; each round gives a paired difference. The roles")
@@ -311,13 +318,13 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
     print("paired differences hold the hook's cost on the training thread only. Below, the hooked copy")
     print("alone, per step: CPU time inside the hook's callbacks (timed from the bench, less the timer's")
     print("own cost measured after each step); the training thread's time blocked, i.e. neither running")
-    print("nor queued for a core (it does no I/O, so: waiting for the GIL while the publisher's threads")
-    print("hold it), with the plain copy alone and no publisher as the control; CPU time of the")
-    print("publisher's threads (its sender and kafka-python's I/O thread) and of the broker, which on a")
-    print("cluster runs on another machine.\n")
+    print("nor queued for a core (it does no I/O, so: waiting for the GIL while the publisher's sender")
+    print("thread holds it), with the plain copy alone and no publisher as the control; CPU time of the")
+    print("publisher's sender thread, of its shipper process (the Kafka client) and of the broker, which")
+    print("on a cluster runs on another machine.\n")
     print("| model | params | plain step CPU (ms) | in hook callbacks, CPU (µs) | GIL wait (µs) "
-          "| GIL wait, control (µs) | publisher threads, CPU (µs) | broker CPU (µs) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| GIL wait, control (µs) | sender thread, CPU (µs) | shipper process, CPU (µs) | broker CPU (µs) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(budget_rows))
     print("\nThe callbacks one by one (µs of CPU per step; before_step holds the pass over the gradients,")
     print(f"before_step and after_step also the weight statistics every {TrainerHook.__init__.__kwdefaults__['weight_stats_every']} steps):\n")
@@ -327,10 +334,10 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
     print("\n**Cost on the training step**, as a share of the plain step's CPU time: the paired CPU-time")
     print("difference (it includes what the callbacks cost indirectly: caches, allocator, garbage")
     print("collection) plus the GIL wait, and the upper ends of their 95% intervals added. Where a core")
-    print("is free the publisher's threads run beside training and cost it only the GIL wait; on a")
-    print("machine with no core to spare they take their CPU time from it too (last column).\n")
+    print("is free the sender thread and the shipper run beside training and cost it only the GIL wait;")
+    print("on a machine with no core to spare they take their CPU time from it too (last column).\n")
     print("| model | plain step CPU (ms) | in hook callbacks | paired CPU difference | GIL wait "
-          "| training-thread cost, upper bound | publisher threads' CPU |")
+          "| training-thread cost, upper bound | sender thread + shipper CPU |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(verdict_rows))
 

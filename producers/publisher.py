@@ -3,12 +3,13 @@
 ``log()`` runs on the training thread, so it only appends to a bounded deque (no I/O, no lock, no
 tensor sync; about a microsecond). A daemon sender thread wakes every 0.1 s, drains the deque and
 turns values into floats without waiting on a device (``producers.values``). It batches many steps
-of many metrics into one message and hands it to kafka-python once the oldest point has waited
-``linger_s`` (0.5 s), or at once when a value is NaN or infinite. Each message costs the training
-process about 3 ms of CPU in kafka-python and our encoding, on threads that share its GIL, so fewer
-messages mean a faster training step (``bench/step_cost.py``), while a NaN still leaves within
-0.1 s. A broker that is down or slow costs the training thread nothing: the queue bound holds and
-overflow is counted in ``stats()`` and logged, never silent and never raised.
+of many metrics into one message once the oldest point has waited ``linger_s`` (0.5 s), or at once
+when a value is NaN or infinite, and appends it to a local spool (``producers.spool``). A shipper
+process (``producers.shipper``) sends the spool to Kafka: the Kafka client's CPU, and the GIL it
+would hold, stay out of the training process (``bench/step_cost.py``). A broker that is down or
+slow costs the training thread nothing: messages wait in the spool (up to ``max_spool_bytes``),
+the queue bound holds, and whatever is dropped is counted in ``stats()`` and logged, never silent
+and never raised.
 
 The sender thread also publishes a heartbeat every ``heartbeat_s``: a telemetry batch whose series
 ``heartbeat_age_s`` is the time since the last ``log()`` (its step: the last logged step), with the
@@ -22,8 +23,10 @@ import atexit
 import logging
 import math
 import os
+import re
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -31,10 +34,13 @@ import weakref
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from producers.shipper import ShipperProcess
+from producers.spool import SpoolWriter
 from producers.system import ProcessSampler, Sampler
 from producers.values import Chunk
 from rankwatch.contract import HEARTBEAT, Series, TelemetryBatch
@@ -71,18 +77,21 @@ class PublisherStats:
     logged: int  # log() calls accepted
     dropped: int  # log() / send() calls refused because the queue was full (or values lost at close)
     sent: int  # messages acknowledged by the broker
-    failed: int  # messages the broker never acknowledged (after kafka-python's retries)
+    failed: int  # messages the broker refused for good (e.g. too large)
     queued: int  # items waiting for the sender
     invalid: int = 0  # logged values that were not numbers, skipped (and logged once per metric)
     heartbeats: int = 0  # heartbeat batches built by the sender thread
+    spooled: int = 0  # bytes in the spool not yet acknowledged by the broker
 
 
 class RankPublisher:
     """Publishes one rank's metrics to ``rankwatch.telemetry``.
 
-    >>> pub = RankPublisher(run="exp1", rank=0, world_size=1, bootstrap="127.0.0.1:1", connect_timeout_s=0.1)
+    >>> pub = RankPublisher(run="exp1", rank=0, world_size=1, bootstrap="127.0.0.1:1", drain_s=0)
     >>> pub.log({"loss": 0.5}, step=0)  # returns at once even with no broker
-    >>> pub.close(timeout_s=0.5)
+    >>> pub.close(timeout_s=2)
+    >>> pub.stats().spooled > 0  # the broker never answered: the batch waits in the spool
+    True
     """
 
     def __init__(
@@ -100,6 +109,9 @@ class RankPublisher:
         samplers: Sequence[Sampler] | None = None,
         connect_timeout_s: float = 5.0,
         producer_config: Mapping[str, Any] | None = None,
+        spool_dir: str | os.PathLike | None = None,
+        max_spool_bytes: int = 1 << 30,
+        drain_s: float = 60.0,
     ):
         default_rank, default_world, default_local = rank_identity(os.environ)
         self.run = run
@@ -112,18 +124,24 @@ class RankPublisher:
             raise ValueError("need max_queue >= 1, max_batch >= 1, linger_s > 0 and heartbeat_s > 0")
         self.bootstrap = bootstrap
         self.max_queue, self.linger_s, self.max_batch, self.heartbeat_s = max_queue, linger_s, max_batch, heartbeat_s
-        self.connect_timeout_s = connect_timeout_s
-        self.producer_config = dict(producer_config or {})
+        self.max_spool_bytes = max_spool_bytes
         # A fresh id per incarnation (a restarted rank numbers its messages from 0 again); host and
         # local rank in it say where a silent rank lives.
-        self.producer_id = f"{socket.gethostname()}:{self.local_rank}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        incarnation = uuid.uuid4().hex[:8]
+        self.producer_id = f"{socket.gethostname()}:{self.local_rank}:{os.getpid()}:{incarnation}"
+        root = Path(spool_dir) if spool_dir else Path(tempfile.gettempdir()) / "rankwatch-spool"
+        self.spool = root / re.sub(r"[^\w.-]", "_", run) / f"rank{self.rank}-{os.getpid()}-{incarnation}"
+        self._spool = SpoolWriter(self.spool)
+        self._shipped = 0  # the last spool position the shipper reported delivered
+        self._shipper = ShipperProcess(self.spool, bootstrap=bootstrap, connect_timeout_s=connect_timeout_s,
+                                       producer_config=producer_config, drain_s=drain_s)
         self._samplers: list[Sampler] = [ProcessSampler()] if samplers is None else list(samplers)
         self._queue: deque = deque()
         self._wake = threading.Event()
         self._seq = 0
         self._outbox: list[tuple[int, str, float]] = []  # read, not yet sent: (step, name, value)
         self._outbox_since = 0.0
-        self._logged = self._dropped = self._sent = self._failed = self._invalid = self._heartbeats = 0
+        self._logged = self._dropped = self._failed = self._invalid = self._heartbeats = 0
         self._warned: set[str] = set()
         self._started = time.monotonic()
         # The sender notes when it last saw log() activity (to within 0.1 s), which keeps the
@@ -131,8 +149,6 @@ class RankPublisher:
         self._last_log: float | None = None
         self._last_step = 0
         self._seen = 0
-        self._producer = None
-        self._retry_at = 0.0  # no reconnect attempt before this (monotonic seconds)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"rankwatch-sender-{self.rank}", daemon=True)
         self._thread.start()
@@ -149,7 +165,8 @@ class RankPublisher:
         env = os.environ if env is None else env
         elastic = env.get("TORCHELASTIC_RUN_ID", "")
         run = env.get("RANKWATCH_RUN") or (elastic if elastic != "none" else "")  # torchrun's placeholder
-        kwargs: dict[str, Any] = {"run": run, "bootstrap": Settings.from_env(env).bootstrap}
+        settings = Settings.from_env(env)
+        kwargs: dict[str, Any] = {"run": run, "bootstrap": settings.bootstrap, "spool_dir": settings.spool_dir}
         kwargs.update(zip(("rank", "world_size", "local_rank"), rank_identity(env)))
         kwargs.update(overrides)
         if not kwargs["run"]:
@@ -177,11 +194,12 @@ class RankPublisher:
             return
         self._queue.append(event)
 
-    def _count_drop(self, n: int = 1) -> None:
+    def _count_drop(self, n: int = 1, why: str = "") -> None:
         before = self._dropped
         self._dropped += n
         if self._dropped.bit_length() > before.bit_length():  # log at 1, 2, 4, 8… drops, not every time
-            log.warning("rankwatch queue full (%d items): %d items dropped so far", self.max_queue, self._dropped)
+            why = why or f"queue full ({self.max_queue} items)"
+            log.warning("rankwatch: %s: %d items dropped so far", why, self._dropped)
 
     def add_sampler(self, sampler: Sampler) -> None:
         """Read ``sampler()`` (``{metric: float}``) with every heartbeat, on the sender thread."""
@@ -195,11 +213,11 @@ class RankPublisher:
         self._wake.set()
         if not marker.wait(timeout_s):
             return False
-        if self._producer is not None:
-            try:
-                self._producer.flush(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # KafkaTimeoutError: the broker is away; the counts say so
+        target = self._spool.position
+        while self._shipper.status().shipped < target:
+            if time.monotonic() > deadline:
                 return False
+            time.sleep(0.01)
         return True
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -214,16 +232,20 @@ class RankPublisher:
         self._queue.append(_STOP)  # the sender publishes everything before it, then stops
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
-        if self._producer is not None:
-            try:
-                self._producer.flush(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # KafkaTimeoutError: the broker is away; the counts say so
-                pass
-            self._producer.close(timeout=max(0.0, deadline - time.monotonic()))
+        if not self._thread.is_alive():  # else it still writes; the shipper drains what it finds
+            self._spool.close()
+        self._shipper.close(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def shipper_pid(self) -> int:
+        """The process that sends this publisher's spool to Kafka (it changes if one had to be replaced)."""
+        return self._shipper.pid
 
     def stats(self) -> PublisherStats:
+        status = self._shipper.status()
         return PublisherStats(
-            self._logged, self._dropped, self._sent, self._failed, len(self._queue), self._invalid, self._heartbeats
+            self._logged, self._dropped, status.sent, status.failed + self._failed, len(self._queue), self._invalid,
+            self._heartbeats, max(self._spool.position - status.shipped, 0),
         )
 
     def __enter__(self) -> RankPublisher:
@@ -356,51 +378,12 @@ class RankPublisher:
             self._failed += 1
 
     def _send(self, event: Any) -> None:
-        producer = self._connect()
-        if producer is None:
-            self._failed += 1
-            return
+        value = event.to_bytes()
+        if self._spool.position - self._shipped + len(value) > self.max_spool_bytes:
+            self._shipped = self._shipper.status().shipped
+            if self._spool.position - self._shipped + len(value) > self.max_spool_bytes:
+                self._count_drop(why=f"spool full ({self.max_spool_bytes} bytes the broker has not taken)")
+                return
         key = event.key if isinstance(event.key, bytes) else event.key.encode()
-        future = producer.send(event.TOPIC, event.to_bytes(), key=key)
-        future.add_callback(self._on_sent).add_errback(self._on_error)
-
-    def _on_sent(self, _metadata) -> None:
-        self._sent += 1
-
-    def _on_error(self, exc: Exception) -> None:
-        self._failed += 1
-        log.warning("rankwatch: telemetry batch not delivered: %s", exc)
-
-    def _connect(self):
-        if self._producer is not None or time.monotonic() < self._retry_at:
-            return self._producer
-        from kafka import KafkaProducer
-        from kafka.errors import KafkaError
-
-        config = {
-            "bootstrap_servers": self.bootstrap,
-            "client_id": f"rankwatch-{self.run}-{self.rank}",
-            "acks": 1,
-            # The sender batches already; kafka-python's own linger and metrics only cost CPU (and
-            # the training thread's GIL) per message.
-            "linger_ms": 0,
-            "metrics_enabled": False,
-            "max_block_ms": int(self.connect_timeout_s * 1000),
-            "bootstrap_timeout_ms": int(self.connect_timeout_s * 1000),
-            "request_timeout_ms": 10_000,
-            "retries": 5,
-            # One request in flight, so a retry cannot reorder messages: processors drop a seq
-            # lower than one already applied as a replay.
-            "max_in_flight_requests_per_connection": 1,
-        }
-        try:
-            self._producer = KafkaProducer(**{**config, **self.producer_config})
-        except KafkaError as exc:
-            self._retry_at = time.monotonic() + self.connect_timeout_s
-            log.warning("rankwatch: broker %s unreachable (%s); batches are counted as failed", self.bootstrap, exc)
-            return None
-        # kafka-python closes its producers at exit; our handler must run first to flush through them
-        # (atexit runs the last registered first).
-        atexit.unregister(_close_open_publishers)
-        atexit.register(_close_open_publishers)
-        return self._producer
+        self._spool.append(event.TOPIC, key, value)
+        self._shipper.wake()

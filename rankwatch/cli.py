@@ -173,6 +173,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ship(args: argparse.Namespace) -> int:
+    from producers import shipper
+
+    bootstrap = _settings(args).bootstrap
+    left = 0
+    for directory in args.spool:
+        code = shipper.main([directory, "--bootstrap", bootstrap, "--drain-s", str(args.timeout), "--no-wake-stdin"])
+        left += code != 0
+    return 1 if left else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import os
 
@@ -250,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("score-series", cmd_score_series, "Score a timestamp,value CSV with one detector: adds an anomaly_score column.")
     score_series_arguments(p)
+
+    p = add("ship", cmd_ship, "Send what a publisher left in its spool (its shipper gave up: the broker was away).")
+    bootstrap(p)
+    p.add_argument("spool", nargs="+", metavar="DIR", help="spool directories, as the shipper's warning names them")
+    p.add_argument("--timeout", type=float, default=60.0, help="give up after this many seconds (default 60)")
 
     p = add("demo", cmd_demo, "Train a small model on 4 CPU ranks, inject a NaN, and watch rankwatch catch it.")
     bootstrap(p, "; given, no embedded broker is started")

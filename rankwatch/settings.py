@@ -26,6 +26,8 @@ class Settings:
     rollup_steps: int = 50
     #: Where workers keep local state (Faust's data dir).
     data_dir: str = ".rankwatch"
+    #: Where publishers spool messages for their shipper process; empty means the system's temp dir.
+    spool_dir: str = ""
     #: Alert rules file (TOML); empty means the defaults shipped with rankwatch.
     rules: str = ""
     #: Seconds after an evaluation's first shard before it is reported with ``complete: false``.

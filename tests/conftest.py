@@ -4,6 +4,9 @@ started once per session; each test isolates itself with its own run id."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -16,6 +19,16 @@ from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 
 TEST_RULES = Path(__file__).with_name("rules.toml")
+
+# Publishers spool under the temp dir: keep the suite's spools (and what a test leaves) in one place.
+_TMP = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="rankwatch-tests-")
+tempfile.tempdir = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_temp_dir():
+    yield
+    shutil.rmtree(_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -42,9 +55,11 @@ def run_id(request) -> str:
 
 
 def consume_json(
-    bootstrap: str, topic: str, predicate: Callable[[dict], bool], *, count: int = 1, timeout_s: float = 30.0
+    bootstrap: str, topic: str, predicate: Callable[[dict], bool], *, count: int = 1, timeout_s: float = 30.0,
+    until: Callable[[list[dict]], bool] | None = None,
 ) -> list[dict]:
-    """Plain kafka-python: read ``topic`` from the beginning until ``count`` JSON objects match."""
+    """Plain kafka-python: read ``topic`` from the beginning until ``count`` JSON objects match
+    (or, given ``until``, until it holds for the matches)."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
     try:
         tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
@@ -52,7 +67,10 @@ def consume_json(
         consumer.seek_to_beginning(*tps)
         found: list[dict] = []
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and len(found) < count:
+        def done() -> bool:
+            return until(found) if until is not None else len(found) >= count
+
+        while time.monotonic() < deadline and not done():
             for records in consumer.poll(timeout_ms=200).values():
                 for record in records:
                     try:

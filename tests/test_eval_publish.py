@@ -184,7 +184,8 @@ def test_loader_and_publisher_must_match_the_shard():
 
 def test_no_broker_blocks_neither_evaluation_nor_advice():
     listener = ControlListener(run="r", bootstrap="127.0.0.1:1", connect_timeout_s=0.1, max_backoff_s=0.01)
-    publisher = RankPublisher(run="r", rank=0, world_size=1, bootstrap="127.0.0.1:1", connect_timeout_s=0.1)
+    publisher = RankPublisher(run="r", rank=0, world_size=1, bootstrap="127.0.0.1:1", connect_timeout_s=0.1,
+                              drain_s=0)
     try:
         loader = shard_dataloader(numbers(50), 0, 1, batch_size=5)
         result = evaluate_shard(identity_fn, loader, publisher, step=1, chunk_size=10, control=listener)

@@ -15,6 +15,7 @@ from conftest import consume_json
 from producers import publisher as publisher_module
 from producers.collectives import CollectiveTimer, busy_time
 from producers.publisher import RankPublisher, rank_identity
+from producers.shipper import kafka_config
 from producers.system import ProcessSampler
 from producers.torch_hook import l2
 from producers.values import Chunk, Derived, Staged, stage
@@ -26,7 +27,7 @@ from rankwatch.contract import HEARTBEAT
 def _offline(**kwargs) -> RankPublisher:
     """A publisher whose broker is a closed port: it must still never block nor raise."""
     return RankPublisher(run="offline", rank=0, world_size=1, bootstrap=f"127.0.0.1:{free_port()}",
-                         connect_timeout_s=0.2, **kwargs)
+                         connect_timeout_s=0.2, drain_s=0, **kwargs)
 
 
 def test_a_full_queue_drops_counts_and_logs_and_keeps_its_bound(caplog, monkeypatch):
@@ -221,4 +222,5 @@ def test_producer_config_overrides_the_publishers_own_kafka_settings(bootstrap, 
     publisher.close()
     stats = publisher.stats()
     assert (stats.sent, stats.failed) == (1, 0)  # a duplicate keyword once failed every send
-    assert publisher._producer.config["acks"] == -1  # "all"
+    config = kafka_config(bootstrap, 5.0, {"linger_ms": 3, "acks": "all"})
+    assert (config["linger_ms"], config["acks"], config["retries"]) == (3, "all", 5)

@@ -1,0 +1,163 @@
+"""The spool and its shipper: messages wait on disk until a broker has them, and nothing is lost.
+
+The spool's file logic is tested on its own; delivery runs a real shipper process against a real
+embedded broker (one started late, to be away first).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import consume_json
+
+from producers import RankPublisher
+from producers.spool import SpoolReader, SpoolWriter
+from rankwatch import cli, contract
+from rankwatch.broker import EmbeddedBroker, free_port
+
+
+def _read_all(reader: SpoolReader, start: int = 0, max_bytes: int = 100) -> list:
+    records = []
+    while batch := reader.read(start, max_bytes):
+        records += batch
+        start = batch[-1].end
+    return records
+
+
+def test_frames_round_trip_across_segments_in_reads_of_any_size(tmp_path):
+    writer = SpoolWriter(tmp_path, segment_bytes=64)
+    sent = [(f"topic{i % 3}", f"k{i}".encode(), os.urandom(i * 7 % 90)) for i in range(60)]
+    ends = [writer.append(*message) for message in sent]
+    assert len(list(tmp_path.glob("*.seg"))) > 10
+    for max_bytes in (1, 100, 1 << 20):
+        records = _read_all(SpoolReader(tmp_path), max_bytes=max_bytes)
+        assert [(r.topic, r.key, r.value) for r in records] == sent
+        assert [r.end for r in records] == ends
+    middle = ends[29]
+    assert [r.value for r in _read_all(SpoolReader(tmp_path), middle)] == [v for *_, v in sent[30:]]
+
+
+def test_release_deletes_only_segments_behind_the_position(tmp_path):
+    writer = SpoolWriter(tmp_path, segment_bytes=64)
+    ends = [writer.append("t", b"k", bytes(40)) for _ in range(10)]
+    reader = SpoolReader(tmp_path)
+    reader.release(ends[4])
+    assert [r.end for r in _read_all(reader, ends[4])] == ends[5:]  # what was not shipped is still there
+    reader.release(ends[-1])
+    assert len(list(tmp_path.glob("*.seg"))) == 1  # the writer's segment stays
+    assert SpoolWriter(tmp_path).position == ends[-1] == reader.end()  # a new writer continues at the end
+
+
+def test_a_frame_still_being_written_is_not_read(tmp_path):
+    writer = SpoolWriter(tmp_path)
+    first = writer.append("t", b"k", b"whole")
+    frame = Path(tmp_path / "frame")
+    SpoolWriter(frame).append("t", b"k", b"x" * 100)
+    data = next(frame.glob("*.seg")).read_bytes()
+    segment = next(tmp_path.glob("*.seg"))
+    with open(segment, "ab") as f:
+        f.write(data[:50])  # half a frame: the writer is in the middle of it
+    assert [r.value for r in SpoolReader(tmp_path).read(0)] == [b"whole"]
+    with open(segment, "ab") as f:
+        f.write(data[50:])
+    assert [r.value for r in SpoolReader(tmp_path).read(first)] == [b"x" * 100]
+
+
+def _steps(bootstrap: str, run: str, n: int) -> list[int]:
+    """The steps of ``loss`` on the topic once ``n`` have arrived (more means duplicates)."""
+
+    def steps(batches: list[dict]) -> list[int]:
+        return sorted(step for b in batches for step in b["series"]["loss"]["steps"])
+
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run and "loss" in b["series"],
+                           until=lambda found: len(steps(found)) >= n, timeout_s=30)
+    return steps(batches)
+
+
+@pytest.mark.broker
+def test_a_broker_that_comes_up_late_gets_everything_without_help(run_id, tmp_path):
+    port = free_port()
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=f"127.0.0.1:{port}", samplers=[],
+                              connect_timeout_s=0.5, spool_dir=tmp_path, linger_s=0.1)
+    for step in range(50):
+        publisher.log({"loss": float(step)}, step)
+        time.sleep(0.01)
+    time.sleep(1.0)
+    assert publisher.stats().sent == 0 and publisher.stats().spooled > 0  # no broker yet: all of it waits
+    with EmbeddedBroker(port=port).start() as broker:
+        assert publisher.flush(timeout_s=30), publisher.stats()
+        publisher.close()
+        stats = publisher.stats()
+        assert (stats.spooled, stats.failed, stats.dropped) == (0, 0, 0)
+        assert set(_steps(broker.bootstrap, run_id, 50)) == set(range(50))
+    assert not publisher.spool.exists()  # delivered, so the spool is gone
+
+
+@pytest.mark.broker
+def test_rankwatch_ship_delivers_what_a_shipper_gave_up_on(bootstrap, run_id, tmp_path):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=f"127.0.0.1:{free_port()}", samplers=[],
+                              connect_timeout_s=0.2, spool_dir=tmp_path, drain_s=0)
+    for step in range(20):
+        publisher.log({"loss": float(step)}, step)
+    publisher.close(timeout_s=5)
+    assert publisher.stats().spooled > 0 and publisher.spool.exists()  # left for later, with a warning
+    assert cli.main(["ship", str(publisher.spool), "--bootstrap", bootstrap]) == 0
+    assert _steps(bootstrap, run_id, 20) == list(range(20))
+    assert not publisher.spool.exists()
+
+
+@pytest.mark.broker
+def test_a_killed_shipper_is_replaced_and_nothing_is_lost(bootstrap, run_id, tmp_path):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[],
+                              spool_dir=tmp_path, linger_s=0.1)
+    for step in range(10):
+        publisher.log({"loss": float(step)}, step)
+    assert publisher.flush()
+    publisher._shipper._proc.kill()
+    publisher._shipper._proc.wait()
+    for step in range(10, 20):
+        publisher.log({"loss": float(step)}, step)
+    assert publisher.flush(timeout_s=30)
+    publisher.close()
+    assert publisher._shipper.restarts == 1
+    assert set(_steps(bootstrap, run_id, 20)) == set(range(20))
+
+
+_DYING_RANK = """
+import os, signal, sys, time
+from producers import RankPublisher
+publisher = RankPublisher(run=sys.argv[1], rank=0, world_size=1, bootstrap=sys.argv[2], samplers=[], linger_s=0.1)
+for step in range(30):
+    publisher.log({"loss": float(step)}, step)
+time.sleep(0.5)  # the last batch reaches the spool
+print(publisher._shipper._proc.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the process is gone
+"""
+
+
+@pytest.mark.broker
+def test_a_killed_training_process_still_delivers_its_spooled_steps(bootstrap, run_id):
+    child = subprocess.run([sys.executable, "-c", _DYING_RANK, run_id, bootstrap], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert _steps(bootstrap, run_id, 30) == list(range(30))
+    shipper = int(child.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(shipper) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(shipper)  # it noticed its parent was gone, delivered, and left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, its new parent has not reaped it yet) counts as gone.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z" if Path(f"/proc/{pid}").exists() else True
