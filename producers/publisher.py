@@ -62,6 +62,10 @@ def _close_open_publishers() -> None:
         pub.close(timeout_s=2.0)
 
 
+def _user() -> str:
+    return str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+
+
 def rank_identity(env: Mapping[str, str]) -> tuple[int, int, int]:
     """(rank, world_size, local_rank): from an initialised torch.distributed, else ``RANK`` /
     ``WORLD_SIZE`` / ``LOCAL_RANK`` in ``env`` (torchrun sets all three), else (0, 1, 0)."""
@@ -129,7 +133,8 @@ class RankPublisher:
         # local rank in it say where a silent rank lives.
         incarnation = uuid.uuid4().hex[:8]
         self.producer_id = f"{socket.gethostname()}:{self.local_rank}:{os.getpid()}:{incarnation}"
-        root = Path(spool_dir) if spool_dir else Path(tempfile.gettempdir()) / "rankwatch-spool"
+        # One folder per user: on a shared node another user's folder would not be writable.
+        root = Path(spool_dir) if spool_dir else Path(tempfile.gettempdir()) / f"rankwatch-spool-{_user()}"
         self.spool = root / re.sub(r"[^\w.-]", "_", run) / f"rank{self.rank}-{os.getpid()}-{incarnation}"
         self._spool = SpoolWriter(self.spool)
         self._shipped = 0  # the last spool position the shipper reported delivered

@@ -37,6 +37,7 @@ from producers.spool import Record, SpoolReader, Status, read_status, write_stat
 log = logging.getLogger("rankwatch.shipper")
 
 _WAKE, _CLOSE = b"w", b"c"
+CONFIG_ENV = "RANKWATCH_PRODUCER_CONFIG"
 _IDLE_S = 1.0  # with no wake-up: how often the shipper looks for data and for its parent
 _MAX_BACKOFF_S = 5.0
 _ROUND_BYTES = 4 << 20  # sent, then awaited as one round
@@ -174,7 +175,7 @@ class Shipper:
 
     def _finish(self) -> bool:
         left = self.reader.end() - self.status.shipped
-        if left:
+        if left > 0:
             log.warning("rankwatch shipper: %d bytes not delivered to %s; they stay in %s "
                         "(`rankwatch ship %s` sends them)", left, self.config["bootstrap_servers"],
                         self.directory, self.directory)
@@ -196,8 +197,10 @@ class ShipperProcess:
             sys.executable, "-c", "import sys; from producers.shipper import main; sys.exit(main())",
             str(self.directory), "--bootstrap", bootstrap,
             "--connect-timeout-s", str(connect_timeout_s), "--drain-s", str(drain_s),
-            "--producer-config", json.dumps(dict(producer_config or {})),
         ]
+        # In the environment, not the command line: producer settings may hold SASL passwords, and
+        # any user can read a process's command line.
+        self._config = json.dumps(dict(producer_config or {}))
         self.final: Status | None = None
         self.restarts = 0
         self._proc = self._start()
@@ -205,7 +208,8 @@ class ShipperProcess:
     def _start(self) -> subprocess.Popen:
         # The child must find this package even when it is not installed (a source checkout).
         root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               CONFIG_ENV: self._config}
         proc = subprocess.Popen(self._args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
         os.set_blocking(proc.stdin.fileno(), False)  # a wake-up never blocks the sender thread
         return proc
@@ -259,7 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--connect-timeout-s", type=float, default=5.0)
     parser.add_argument("--drain-s", type=float, default=60.0,
                         help="after the publisher closes, keep trying this long (default 60)")
-    parser.add_argument("--producer-config", default="{}", help="kafka-python producer settings, as JSON")
+    parser.add_argument("--producer-config", default=os.environ.get(CONFIG_ENV, "{}"),
+                        help=f"kafka-python producer settings, as JSON (default: ${CONFIG_ENV}, which the "
+                             "publisher sets; secrets belong there, not on a command line)")
     parser.add_argument("--wake-stdin", action=argparse.BooleanOptionalAction, default=None,
                         help="stdin is the publisher's pipe: wait for its close (the default when stdin is a pipe); "
                              "without, ship what is there and exit")

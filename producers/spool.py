@@ -66,6 +66,8 @@ def write_status(directory: str | os.PathLike, status: Status) -> None:
 
 def _segments(directory: Path) -> list[tuple[int, Path]]:
     found = []
+    if not directory.is_dir():
+        return found  # removed from under us (a temp-dir cleaner): nothing left to ship
     for entry in os.scandir(directory):
         if entry.name.endswith(_SUFFIX):
             found.append((int(entry.name[: -len(_SUFFIX)]), Path(entry.path)))
@@ -95,8 +97,15 @@ class SpoolWriter:
             self._file.close()
             self._segment_start = self.position
             self._file = open(self._path(self.position), "ab", buffering=0)  # noqa: SIM115
-        self._file.write(b"".join((_HEADER.pack(len(value), len(name), len(key)), name, key, value)))
-        self.position += _HEADER.size + len(name) + len(key) + len(value)
+        frame = b"".join((_HEADER.pack(len(value), len(name), len(key)), name, key, value))
+        try:
+            self._file.write(frame)
+        except OSError:
+            # A full disk can leave part of a frame, and the reader would take what follows it as the
+            # rest: cut it off, so the spool stays a sequence of whole frames.
+            self._file.truncate(self.position - self._segment_start)
+            raise
+        self.position += len(frame)
         return self.position
 
     def close(self) -> None:

@@ -69,6 +69,27 @@ def test_a_frame_still_being_written_is_not_read(tmp_path):
     assert [r.value for r in SpoolReader(tmp_path).read(first)] == [b"x" * 100]
 
 
+def test_a_failed_write_leaves_no_half_frame(tmp_path):
+    writer = SpoolWriter(tmp_path)
+    writer.append("t", b"k", b"before")
+    real = writer._file
+
+    class DiskFull:
+        def write(self, data):
+            real.write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        def truncate(self, size):
+            return real.truncate(size)
+
+    writer._file = DiskFull()
+    with pytest.raises(OSError):
+        writer.append("t", b"k", b"x" * 100)
+    writer._file = real
+    writer.append("t", b"k", b"after")  # the disk has room again
+    assert [r.value for r in SpoolReader(tmp_path).read(0)] == [b"before", b"after"]
+
+
 def _steps(bootstrap: str, run: str, n: int) -> list[int]:
     """The steps of ``loss`` on the topic once ``n`` have arrived (more means duplicates)."""
 
