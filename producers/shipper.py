@@ -280,7 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     shipper = Shipper(args.directory, config, drain_s=args.drain_s, wake_fd=0 if wake else None)
     signal.signal(signal.SIGTERM, lambda *_: shipper.close())
     done = shipper.run()
-    print(json.dumps(asdict(shipper.status)), flush=True)  # the publisher reads its final counts here
+    try:
+        print(json.dumps(asdict(shipper.status)), flush=True)  # the publisher reads its final counts here
+    except BrokenPipeError:  # the publisher's process is gone: no one to tell
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at interpreter exit
     return 0 if done else 3
 
 
