@@ -27,7 +27,7 @@ class WorkerProcess:
     def __init__(self, settings: Settings, index: int, *, echo: Callable[[str], None] | None, env: dict[str, str]):
         self.index = index
         self.ready = threading.Event()
-        self.tail: deque[str] = deque(maxlen=40)
+        self.tail: deque[str] = deque(maxlen=200)
         self._echo = echo
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rankwatch", "worker", "--bootstrap", settings.bootstrap],

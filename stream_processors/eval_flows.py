@@ -114,7 +114,10 @@ def register(app: faust.App, settings: Settings) -> None:
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
                 continue
             if out.changed:
-                evals[shard.key] = state  # written before sending: a replay then finds it applied
+                # Faust buffers this changelog write and may send it after the report below: a worker
+                # killed in between replays the shard and sends the same revision again (readers
+                # keep the latest revision per evaluation, so they see no change).
+                evals[shard.key] = state
             await publish(out)
 
     @app.timer(interval=max(0.2, min(1.0, settings.eval_deadline_s / 5)))

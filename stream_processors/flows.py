@@ -87,7 +87,10 @@ def register(app: faust.App, settings: Settings) -> None:
                 for alert in watcher.observe(watch, item, now):
                     due += grouper.add(state, RankSignal(alert=alert, world_size=item.world_size), now)
             if due or isinstance(item, RankSignal):
-                run_state[item.key] = state  # written before the alerts: a replay then finds them sent
+                # A replay then finds the alerts sent, once this write is in the changelog. Faust
+                # buffers it and may send it after the alerts: a worker killed in between sends
+                # them again (a gap the crash-recovery work must close).
+                run_state[item.key] = state
             await publish(due)
             if state.waiting():
                 waiting.add(item.key)
