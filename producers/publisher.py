@@ -91,7 +91,9 @@ class PublisherStats:
 class RankPublisher:
     """Publishes one rank's metrics to ``rankwatch.telemetry``.
 
-    >>> pub = RankPublisher(run="exp1", rank=0, world_size=1, bootstrap="127.0.0.1:1", drain_s=0)
+    >>> import tempfile
+    >>> pub = RankPublisher(run="exp1", rank=0, world_size=1, bootstrap="127.0.0.1:1", drain_s=0,
+    ...                     spool_dir=tempfile.mkdtemp())
     >>> pub.log({"loss": 0.5}, step=0)  # returns at once even with no broker
     >>> pub.close(timeout_s=2)
     >>> pub.stats().spooled > 0  # the broker never answered: the batch waits in the spool
@@ -139,7 +141,9 @@ class RankPublisher:
         self._spool = SpoolWriter(self.spool)
         self._shipped = 0  # the last spool position the shipper reported delivered
         self._shipper = ShipperProcess(self.spool, bootstrap=bootstrap, connect_timeout_s=connect_timeout_s,
-                                       producer_config=producer_config, drain_s=drain_s)
+                                       producer_config={"client_id": f"rankwatch-{run}-{self.rank}",
+                                                        **(producer_config or {})},
+                                       drain_s=drain_s)
         self._samplers: list[Sampler] = [ProcessSampler()] if samplers is None else list(samplers)
         self._queue: deque = deque()
         self._wake = threading.Event()
@@ -219,6 +223,7 @@ class RankPublisher:
         if not marker.wait(timeout_s):
             return False
         target = self._spool.position
+        self._shipper.wake()  # a shipper that died since the last message is replaced now
         while self._shipper.status().shipped < target:
             if time.monotonic() > deadline:
                 return False

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -203,6 +204,8 @@ class ShipperProcess:
         self._config = json.dumps(dict(producer_config or {}))
         self.final: Status | None = None
         self.restarts = 0
+        self._closed = False
+        self._lock = threading.Lock()  # the sender thread and flush() may both find it dead
         self._proc = self._start()
 
     def _start(self) -> subprocess.Popen:
@@ -218,16 +221,26 @@ class ShipperProcess:
     def pid(self) -> int:
         return self._proc.pid
 
-    def wake(self) -> None:
-        if self._proc.poll() is not None and self.final is None:
+    def _ensure_running(self) -> None:
+        with self._lock:
+            if self._proc.poll() is None:
+                return
             # It died (killed, or out of memory): a new one resumes from the last position shipped.
             log.warning("rankwatch: the shipper exited with %s; starting another", self._proc.returncode)
+            self._proc.stdin.close()
+            self._proc.stdout.close()
             self.restarts += 1
             self._proc = self._start()
+
+    def wake(self) -> None:
+        """New data is in the spool (a no-op once closing)."""
+        if self._closed:
+            return
+        self._ensure_running()
         try:
             self._proc.stdin.write(_WAKE)
         except (BlockingIOError, BrokenPipeError):
-            pass  # the pipe is full, so the shipper has a wake-up waiting already
+            pass  # the pipe is full (a wake-up is waiting already), or it died this instant
 
     def status(self) -> Status:
         return self.final or read_status(self.directory)
@@ -237,11 +250,14 @@ class ShipperProcess:
 
         On time-out the shipper goes on in the background for its drain time.
         """
-        try:
-            self._proc.stdin.write(_CLOSE)
+        if not self._closed:
+            self._closed = True
+            self._ensure_running()  # a dead shipper would leave the spool behind
+            try:
+                self._proc.stdin.write(_CLOSE)
+            except (BlockingIOError, BrokenPipeError):
+                pass  # end of file says the same
             self._proc.stdin.close()
-        except (BlockingIOError, BrokenPipeError):
-            self._proc.stdin.close()  # end of file says the same
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -24,14 +24,18 @@ Per step (names as published):
 The training thread only launches fused per-tensor norm kernels (``torch._foreach_norm``, as
 ``clip_grad_norm_`` does); global norms, ratios, counts and means are computed from their host
 copies on the publisher's sender thread (``producers.values.Derived``), so the training thread
-never waits for the device. Process RSS, CPU and GPU memory are sampled by the sender thread with
-each heartbeat.
+never waits for the device. On a CPU model those kernels are the pass itself, a read of every
+gradient, so the hook hands the gradient tensors to the sender thread, which computes their norms
+there (see ``_SenderGradNorms``). Process RSS, CPU and GPU memory are sampled by the sender thread
+with each heartbeat.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -41,7 +45,9 @@ import torch
 from producers.collectives import CollectiveTimer
 from producers.publisher import RankPublisher
 from producers.system import CudaMemorySampler
-from producers.values import Derived, stage
+from producers.values import Derived, Unavailable, stage
+
+log = logging.getLogger(__name__)
 
 
 def l2(values: list[float]) -> float:
@@ -93,6 +99,55 @@ def norms(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [torch.stack(torch._foreach_norm(group, 2.0)) for group in groups if group]
 
 
+class _SenderGradNorms:
+    """A CPU model's per-tensor gradient norms, computed on the sender thread.
+
+    The training thread keeps only references to the step's gradient tensors. ``zero_grad()``
+    (``set_to_none=True``, torch's default) replaces them rather than changing them, so the sender
+    reads them as the step left them; until it has (within about 0.1 s) they stay alive beside the
+    next step's gradients. The hook starts on the training thread and moves the work here only
+    after a step that changed its gradients neither after ``before_step`` (a trainer that clips
+    later, in place) nor kept them for the next step (``set_to_none=False``); it moves back when a
+    later step does either. A step whose gradients changed before the sender read them (their
+    version counters moved) loses its values; they are never published wrong.
+    """
+
+    def __init__(self, groups: list[list[torch.Tensor]], hook: TrainerHook):
+        self._groups, self._hook = groups, hook
+        self._versions = [t._version for group in groups for t in group]
+        self._values: list[float] | None = None
+
+    def values(self) -> list[float]:
+        if self._values is None:
+            with torch.no_grad():
+                values = [v for n in norms(self._groups) for v in n.tolist()]
+            changed = any(t._version != v for t, v in zip((t for g in self._groups for t in g), self._versions))
+            self._groups = []  # let go of the gradients
+            if changed:
+                self._hook._grad_norm_on_training_thread("the gradients changed before the sender read them")
+                raise Unavailable("the gradients changed before they were read")
+            self._values = values
+        return self._values
+
+    def of(self, fn: Callable[[list[float]], float]) -> _Of:
+        return _Of(self, fn)
+
+
+class _Of:
+    """``fn`` of a :class:`_SenderGradNorms`, as a lazy value (ready at once; read on the sender thread)."""
+
+    __slots__ = ("norms", "fn")
+
+    def __init__(self, norms: _SenderGradNorms, fn: Callable[[list[float]], float]):
+        self.norms, self.fn = norms, fn
+
+    def done(self) -> bool:
+        return True
+
+    def item(self) -> float:
+        return self.fn(self.norms.values())
+
+
 class TrainerHook:
     """Publishes one point per optimizer step. Usage::
 
@@ -138,6 +193,12 @@ class TrainerHook:
         self._tokens: list[Any] = []
         # Parameter lists per (device, dtype) for the fused kernels; groups added later are not watched.
         self._groups = _by_device(self._params())
+        # On a CPU model: None until the first step showed that nothing changes the gradients after
+        # before_step (a trainer that clips later, in place) and that the next step has new ones.
+        cpu = all(group[0].device.type == "cpu" for group in self._groups if group)
+        self._grad_norm_on_sender: bool | None = None if cpu else False
+        self._last_grad: weakref.ref | None = None  # the previous step's first gradient tensor
+        self._probe: tuple[torch.Tensor, int] | None = None  # this step's first gradient and its version
         self._snapshot: list[torch.Tensor] | None = None
         self._data_wait: float | None = None
         self._last_end: float | None = None
@@ -213,14 +274,24 @@ class TrainerHook:
         """Just before the optimizer updates the weights: gradient statistics and the weight snapshot."""
         # The only device work on this thread: one fused per-tensor norm. The global norm (the
         # value clip_grad_norm_ returns) and the non-finite count are computed by the sender.
-        if "grad_norm" in self._metrics:  # the caller's clip_grad_norm_ result: no second pass
-            grad_norms = []
-        else:
-            grad_norms = norms([[p.grad for p in group if p.grad is not None] for group in self._groups])
-        if grad_norms:
-            if self.publish_grad_norm:
-                self._metrics["grad_norm"] = Derived(l2, grad_norms)
-            self._metrics["grad_nonfinite"] = Derived(count_nonfinite, grad_norms)
+        if "grad_norm" not in self._metrics:  # else it is the caller's clip_grad_norm_ result: no second pass
+            grads = [[p.grad for p in group if p.grad is not None] for group in self._groups]
+            first = next((g for group in grads for g in group), None)
+            if self._grad_norm_on_sender is not False and first is not None:
+                if self._last_grad is not None and self._last_grad() is first:
+                    self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
+                else:
+                    self._last_grad, self._probe = weakref.ref(first), (first, first._version)
+            if self._grad_norm_on_sender:
+                lazy = _SenderGradNorms(grads, self)
+                total, nonfinite = lazy.of(l2), lazy.of(count_nonfinite)
+            else:
+                grad_norms = norms(grads)
+                total, nonfinite = Derived(l2, grad_norms), Derived(count_nonfinite, grad_norms)
+            if any(grads):
+                if self.publish_grad_norm:
+                    self._metrics["grad_norm"] = total
+                self._metrics["grad_nonfinite"] = nonfinite
         if self.weight_stats_every and self.step % self.weight_stats_every == 0:
             self._snapshot = [torch._foreach_mul(group, 1.0) for group in self._groups]  # fused copies
 
@@ -243,6 +314,13 @@ class TrainerHook:
     def end_step(self, step: int | None = None, *, skipped: Any = None) -> None:
         """Publish this step's point (at ``step`` if given, else the hook's own counter) and start the next."""
         now = time.perf_counter()
+        if self._probe is not None:
+            grad, version = self._probe
+            self._probe = None
+            if grad._version != version:
+                self._grad_norm_on_training_thread("the gradients changed after the optimizer hook (clipping?)")
+            elif self._grad_norm_on_sender is None:
+                self._grad_norm_on_sender = True
         metrics, self._metrics = self._metrics, {}
         if step is not None:
             self.step = step
@@ -276,6 +354,11 @@ class TrainerHook:
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _grad_norm_on_training_thread(self, why: str) -> None:
+        if self._grad_norm_on_sender is not False:
+            self._grad_norm_on_sender = False
+            log.info("rankwatch: %s: grad_norm is computed on the training thread from now on", why)
 
     def _after_and_end(self) -> None:
         self.after_step()

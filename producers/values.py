@@ -2,7 +2,8 @@
 
 A logged value is a number, a one-element tensor, a ``Derived`` value (a function of tensors,
 computed here), or a *lazy value*: any object with ``item()`` and, optionally, ``done()`` (an
-unfinished ``done()`` means "not yet": the sender asks again later instead of blocking).
+unfinished ``done()`` means "not yet": the sender asks again later instead of blocking; an
+``item()`` that raises ``Unavailable`` means "never": the point goes without it).
 
 Each tensor is read once per chunk, however many values use it. A CPU tensor is read directly. CUDA
 tensors are gathered per device into one buffer and copied asynchronously into pinned memory
@@ -27,6 +28,11 @@ Point = tuple[int, Mapping[str, Any]]
 
 class Invalid(ValueError):
     """A logged value that is not a number (a string, a tensor with several elements, …)."""
+
+
+class Unavailable(Exception):
+    """Raised by a lazy value's ``item()`` when its value can no longer be known: the point goes
+    without it, and it counts as neither invalid nor failed."""
 
 
 class Derived:
@@ -213,6 +219,8 @@ class Chunk:
         for value, index in self._lazy:
             try:
                 self._set(index, value.item())
+            except Unavailable:
+                pass  # the slot stays empty; resolve() returns floats only
             except Exception as exc:  # a lazy value is user code; its failure costs one point
                 self._reject(index, f"{type(value).__name__}.item() raised {exc!r}")
         self._copies, self._computed, self._lazy, self._staged = [], [], [], []

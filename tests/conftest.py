@@ -4,6 +4,9 @@ started once per session; each test isolates itself with its own run id."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -16,6 +19,17 @@ from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 
 TEST_RULES = Path(__file__).with_name("rules.toml")
+
+# Publishers spool under the temp dir: keep the suite's spools (and what a test leaves) in one place.
+# (Not in a conftest.py at the root: spawned ranks that import this module by name would get that one.)
+_TMP = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="rankwatch-tests-")
+tempfile.tempdir = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_temp_dir():
+    yield
+    shutil.rmtree(_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -87,6 +88,31 @@ def test_published_values_equal_what_the_loop_computed(bootstrap, run_id):
     assert dict(got[(0, "samples_per_s")]) == pytest.approx({s: 32 / t for s, t in times.items()}, rel=1e-9)
     assert [s for s, _ in got[(0, "data_wait_s")]] == list(range(6))
     assert all(0 <= v < 0.1 for _, v in got[(0, "data_wait_s")])  # a list yields at once
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_grad_norm_is_right_whether_the_loop_replaces_or_zeroes_its_gradients(bootstrap, run_id, caplog, in_place):
+    # On a CPU model the sender may read the step's gradient tensors after the step: zeroing them in
+    # place instead of replacing them must cost no value, nor give a wrong one.
+    caplog.set_level(logging.INFO, logger="producers.torch_hook")
+    torch.manual_seed(2)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
+    hook = TrainerHook(model, opt, publisher, weight_stats_every=0)
+    expected = {}
+    for step in range(6):
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+        opt.step()
+        opt.zero_grad(set_to_none=not in_place)  # in place: before the sender has read them
+    publisher.close()
+    stats = publisher.stats()
+    assert (stats.dropped, stats.failed, stats.invalid) == (0, 0, 0)
+    published = dict(read_series(bootstrap, run_id, stats.sent)[(0, "grad_norm")])
+    assert published == pytest.approx(expected, rel=1e-5)
+    assert hook._grad_norm_on_sender is not in_place
+    assert ("keeps its gradient tensors" in caplog.text) is in_place
 
 
 def test_a_loop_that_clips_passes_its_pre_clip_norm(bootstrap, run_id):
