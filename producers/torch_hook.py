@@ -272,8 +272,9 @@ class TrainerHook:
     @torch.no_grad()  # the weight snapshot (and grads made with create_graph=True) would grow a graph
     def before_step(self) -> None:
         """Just before the optimizer updates the weights: gradient statistics and the weight snapshot."""
-        # The only device work on this thread: one fused per-tensor norm. The global norm (the
-        # value clip_grad_norm_ returns) and the non-finite count are computed by the sender.
+        # The only device work on this thread: one fused per-tensor norm, or on a CPU model none (the
+        # sender takes the pass, see _SenderGradNorms). The global norm (the value clip_grad_norm_
+        # returns) and the non-finite count are computed by the sender.
         if "grad_norm" not in self._metrics:  # else it is the caller's clip_grad_norm_ result: no second pass
             grads = [[p.grad for p in group if p.grad is not None] for group in self._groups]
             first = next((g for group in grads for g in group), None)
