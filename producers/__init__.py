@@ -9,11 +9,10 @@ Distributed evaluation: ``Evaluator`` decides when to evaluate, ``shard_dataload
 ``EvalShardSampler`` / ``shard_indices`` give each rank its slice, ``evaluate_shard`` runs and
 streams it, ``ControlListener`` hears the processors' advice. The torch-dependent ones are imported
 on first use, like ``TrainerHook``.
-"""
 
-from producers.control import ControlListener
-from producers.evaluation import Evaluator
-from producers.publisher import PublisherStats, RankPublisher
+Everything is imported on first use: the shipper process (``producers.shipper``) needs none of it,
+and it starts beside every training process.
+"""
 
 __all__ = [
     "RankPublisher", "PublisherStats", "TrainerHook",
@@ -22,6 +21,10 @@ __all__ = [
 ]
 
 _LAZY = {
+    "RankPublisher": "producers.publisher",
+    "PublisherStats": "producers.publisher",
+    "Evaluator": "producers.evaluation",
+    "ControlListener": "producers.control",
     "TrainerHook": "producers.torch_hook",
     "evaluate_shard": "producers.eval_run",
     "ShardResult": "producers.eval_run",

@@ -93,7 +93,7 @@ class RankPublisher:
 
     >>> import tempfile
     >>> pub = RankPublisher(run="exp1", rank=0, world_size=1, bootstrap="127.0.0.1:1", drain_s=0,
-    ...                     spool_dir=tempfile.mkdtemp())
+    ...                     connect_timeout_s=0.5, spool_dir=tempfile.mkdtemp())
     >>> pub.log({"loss": 0.5}, step=0)  # returns at once even with no broker
     >>> pub.close(timeout_s=2)
     >>> pub.stats().spooled > 0  # the broker never answered: the batch waits in the spool

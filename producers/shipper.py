@@ -84,7 +84,7 @@ class Shipper:
         """Ship until done; True if everything written was delivered (the spool is then removed)."""
         backoff = 0.0
         try:
-            while True:
+            while self.directory.is_dir():  # else removed from under us (a temp-dir cleaner): nothing to do
                 records = self.reader.read(self.status.shipped, _ROUND_BYTES)
                 if records and self._ship(records):
                     backoff = 0.0
@@ -97,6 +97,11 @@ class Shipper:
                 if records:  # the broker is away: back off, but still hear a close
                     backoff = min(max(2 * backoff, 0.25), _MAX_BACKOFF_S)
                 self._wait(backoff or _IDLE_S)
+            return False
+        except FileNotFoundError:
+            if self.directory.is_dir():
+                raise
+            return False
         finally:
             if self._producer is not None:
                 self._producer.close(timeout=1.0)

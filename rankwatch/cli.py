@@ -174,13 +174,28 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_ship(args: argparse.Namespace) -> int:
-    from producers import shipper
+    import os
+
+    from producers.shipper import CONFIG_ENV, Shipper, kafka_config
 
     bootstrap = _settings(args).bootstrap
+    config = kafka_config(bootstrap, 5.0, json.loads(os.environ.get(CONFIG_ENV, "{}")))
     left = 0
-    for directory in args.spool:
-        code = shipper.main([directory, "--bootstrap", bootstrap, "--drain-s", str(args.timeout), "--no-wake-stdin"])
-        left += code != 0
+    try:
+        for directory in args.spool:
+            if not os.path.isdir(directory):
+                print(f"{directory}: no such spool directory", file=sys.stderr)
+                left += 1
+                continue
+            shipper = Shipper(directory, config, drain_s=args.timeout)
+            if shipper.run():
+                print(f"{directory}: delivered ({shipper.status.sent} messages in all)")
+            else:
+                left += 1
+                print(f"{directory}: not all delivered within {args.timeout:g}s ({shipper.status.error})",
+                      file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130  # what was acknowledged is recorded; a later run resumes there
     return 1 if left else 0
 
 

@@ -131,6 +131,7 @@ def test_rankwatch_ship_delivers_what_a_shipper_gave_up_on(bootstrap, run_id, tm
     assert cli.main(["ship", str(publisher.spool), "--bootstrap", bootstrap]) == 0
     assert _steps(bootstrap, run_id, 20) == list(range(20))
     assert not publisher.spool.exists()
+    assert cli.main(["ship", str(publisher.spool), "--bootstrap", bootstrap]) == 1  # nothing there any more
 
 
 @pytest.mark.broker
