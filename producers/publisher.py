@@ -26,7 +26,6 @@ import os
 import re
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from producers.shipper import ShipperProcess
-from producers.spool import SpoolWriter
+from producers.spool import SpoolWriter, default_root
 from producers.system import ProcessSampler, Sampler
 from producers.values import Chunk
 from rankwatch.contract import HEARTBEAT, Series, TelemetryBatch
@@ -60,10 +59,6 @@ def _close_open_publishers() -> None:
     # A script that forgets close() should still deliver its last steps.
     for pub in list(_OPEN):
         pub.close(timeout_s=2.0)
-
-
-def _user() -> str:
-    return str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
 
 
 def rank_identity(env: Mapping[str, str]) -> tuple[int, int, int]:
@@ -135,8 +130,7 @@ class RankPublisher:
         # local rank in it say where a silent rank lives.
         incarnation = uuid.uuid4().hex[:8]
         self.producer_id = f"{socket.gethostname()}:{self.local_rank}:{os.getpid()}:{incarnation}"
-        # One folder per user: on a shared node another user's folder would not be writable.
-        root = Path(spool_dir) if spool_dir else Path(tempfile.gettempdir()) / f"rankwatch-spool-{_user()}"
+        root = Path(spool_dir) if spool_dir else default_root()
         self.spool = root / re.sub(r"[^\w.-]", "_", run) / f"rank{self.rank}-{os.getpid()}-{incarnation}"
         self._spool = SpoolWriter(self.spool)
         self._shipped = 0  # the last spool position the shipper reported delivered

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from producers.spool import Record, SpoolReader, Status, read_status, write_stat
 log = logging.getLogger("rankwatch.shipper")
 
 _WAKE, _CLOSE = b"w", b"c"
+_LOCK = "lock"
 CONFIG_ENV = "RANKWATCH_PRODUCER_CONFIG"
 _IDLE_S = 1.0  # with no wake-up: how often the shipper looks for data and for its parent
 _MAX_BACKOFF_S = 5.0
@@ -81,7 +83,20 @@ class Shipper:
             self._selector.register(wake_fd, selectors.EVENT_READ)
 
     def run(self) -> bool:
-        """Ship until done; True if everything written was delivered (the spool is then removed)."""
+        """Ship until done; True if everything written was delivered (the spool is then removed).
+
+        False at once if another shipper holds the spool: two would send everything twice.
+        """
+        with contextlib.suppress(FileNotFoundError), open(self.directory / _LOCK, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the kernel lets go when a shipper dies
+            except BlockingIOError:
+                log.warning("rankwatch shipper: another shipper is sending %s", self.directory)
+                return False
+            return self._run()
+        return False  # the spool is gone
+
+    def _run(self) -> bool:
         backoff = 0.0
         try:
             while self.directory.is_dir():  # else removed from under us (a temp-dir cleaner): nothing to do

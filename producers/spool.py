@@ -21,9 +21,11 @@ A frame is a header (value, topic and key lengths) followed by the three byte st
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import struct
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -31,6 +33,7 @@ from typing import NamedTuple
 _HEADER = struct.Struct("<IHH")  # value, topic, key lengths
 _SUFFIX = ".seg"
 STATUS = "status.json"
+WRITER_LOCK = "writer.lock"
 
 
 class Record(NamedTuple):
@@ -48,6 +51,18 @@ class Status:
     sent: int = 0  # messages acknowledged
     failed: int = 0  # messages the broker refused for good (e.g. too large); skipped
     error: str = ""  # the last delivery error, cleared by the next success
+
+
+def default_root() -> Path:
+    """Where publishers spool unless told otherwise: one folder per user under the temp dir (on a
+    shared node another user's folder would not be writable)."""
+    user = str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    return Path(tempfile.gettempdir()) / f"rankwatch-spool-{user}"
+
+
+def find_spools(root: str | os.PathLike) -> list[Path]:
+    """Every spool directory under ``root`` (a folder holding segment files), ``root`` included."""
+    return sorted({path.parent for path in Path(root).rglob(f"*{_SUFFIX}")})
 
 
 def read_status(directory: str | os.PathLike) -> Status:
@@ -81,6 +96,10 @@ class SpoolWriter:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
+        # Held while the writer lives (the kernel lets go if its process dies): `rankwatch ship` leaves
+        # a spool alone while a publisher may still write to it.
+        self._lock = open(self.directory / WRITER_LOCK, "a")  # noqa: SIM115
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         existing = _segments(self.directory)
         self.position = existing[-1][0] + existing[-1][1].stat().st_size if existing else 0
         self._segment_start = existing[-1][0] if existing else 0
@@ -110,6 +129,19 @@ class SpoolWriter:
 
     def close(self) -> None:
         self._file.close()
+        self._lock.close()
+
+
+def has_writer(directory: str | os.PathLike) -> bool:
+    """Whether a live ``SpoolWriter`` holds ``directory``."""
+    try:
+        with open(Path(directory) / WRITER_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except FileNotFoundError:
+        pass
+    return False
 
 
 class SpoolReader:

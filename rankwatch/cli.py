@@ -177,14 +177,23 @@ def cmd_ship(args: argparse.Namespace) -> int:
     import os
 
     from producers.shipper import CONFIG_ENV, Shipper, kafka_config
+    from producers.spool import default_root, find_spools, has_writer
 
-    bootstrap = _settings(args).bootstrap
-    config = kafka_config(bootstrap, 5.0, json.loads(os.environ.get(CONFIG_ENV, "{}")))
+    settings = _settings(args)
+    config = kafka_config(settings.bootstrap, 5.0, json.loads(os.environ.get(CONFIG_ENV, "{}")))
+    spools = args.spool or find_spools(settings.spool_dir or default_root())
+    if not spools:
+        print(f"no spools left under {settings.spool_dir or default_root()}")
+        return 0
     left = 0
     try:
-        for directory in args.spool:
+        for directory in map(str, spools):
             if not os.path.isdir(directory):
                 print(f"{directory}: no such spool directory", file=sys.stderr)
+                left += 1
+                continue
+            if has_writer(directory):
+                print(f"{directory}: a live publisher still writes it; its own shipper sends it", file=sys.stderr)
                 left += 1
                 continue
             shipper = Shipper(directory, config, drain_s=args.timeout)
@@ -277,9 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("score-series", cmd_score_series, "Score a timestamp,value CSV with one detector: adds an anomaly_score column.")
     score_series_arguments(p)
 
-    p = add("ship", cmd_ship, "Send what a publisher left in its spool (its shipper gave up: the broker was away).")
+    p = add("ship", cmd_ship, "Send what publishers left in their spools (their shippers gave up: the broker was away).")
     bootstrap(p)
-    p.add_argument("spool", nargs="+", metavar="DIR", help="spool directories, as the shipper's warning names them")
+    p.add_argument("spool", nargs="*", metavar="DIR",
+                   help="spool directories, as the shipper's warning names them (default: every spool left under "
+                        "$RANKWATCH_SPOOL_DIR or the temp dir's rankwatch-spool-UID; spools still being sent are skipped)")
     p.add_argument("--timeout", type=float, default=60.0, help="give up after this many seconds (default 60)")
 
     p = add("demo", cmd_demo, "Train a small model on 4 CPU ranks, inject a NaN, and watch rankwatch catch it.")

@@ -51,6 +51,7 @@ def test_release_deletes_only_segments_behind_the_position(tmp_path):
     assert [r.end for r in _read_all(reader, ends[4])] == ends[5:]  # what was not shipped is still there
     reader.release(ends[-1])
     assert len(list(tmp_path.glob("*.seg"))) == 1  # the writer's segment stays
+    writer.close()
     assert SpoolWriter(tmp_path).position == ends[-1] == reader.end()  # a new writer continues at the end
 
 
@@ -121,17 +122,26 @@ def test_a_broker_that_comes_up_late_gets_everything_without_help(run_id, tmp_pa
 
 
 @pytest.mark.broker
-def test_rankwatch_ship_delivers_what_a_shipper_gave_up_on(bootstrap, run_id, tmp_path):
-    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=f"127.0.0.1:{free_port()}", samplers=[],
-                              connect_timeout_s=0.2, spool_dir=tmp_path, drain_s=0)
+def test_rankwatch_ship_delivers_what_shippers_gave_up_on_and_leaves_live_spools_alone(
+        bootstrap, run_id, tmp_path, monkeypatch):
+    def offline(rank: int) -> RankPublisher:
+        return RankPublisher(run=run_id, rank=rank, world_size=2, bootstrap=f"127.0.0.1:{free_port()}", samplers=[],
+                             connect_timeout_s=0.2, spool_dir=tmp_path, drain_s=0, linger_s=0.1)
+
+    left, live = offline(0), offline(1)
     for step in range(20):
-        publisher.log({"loss": float(step)}, step)
-    publisher.close(timeout_s=5)
-    assert publisher.stats().spooled > 0 and publisher.spool.exists()  # left for later, with a warning
-    assert cli.main(["ship", str(publisher.spool), "--bootstrap", bootstrap]) == 0
-    assert _steps(bootstrap, run_id, 20) == list(range(20))
-    assert not publisher.spool.exists()
-    assert cli.main(["ship", str(publisher.spool), "--bootstrap", bootstrap]) == 1  # nothing there any more
+        left.log({"loss": float(step)}, step)
+        live.log({"loss": float(step)}, step)
+    left.close(timeout_s=5)
+    assert left.stats().spooled > 0 and left.spool.exists()  # left for later, with a warning
+    assert live.flush(timeout_s=1) is False and live.stats().spooled > 0
+
+    monkeypatch.setenv("RANKWATCH_SPOOL_DIR", str(tmp_path))
+    assert cli.main(["ship", "--bootstrap", bootstrap]) == 1  # one spool is still being written
+    assert _steps(bootstrap, run_id, 20) == list(range(20))  # rank 0's, once; rank 1's are not touched
+    assert not left.spool.exists() and live.spool.exists()
+    assert cli.main(["ship", str(left.spool), "--bootstrap", bootstrap]) == 1  # nothing there any more
+    live.close(timeout_s=1)
 
 
 @pytest.mark.broker
