@@ -181,9 +181,10 @@ def cmd_ship(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     config = kafka_config(settings.bootstrap, 5.0, json.loads(os.environ.get(CONFIG_ENV, "{}")))
-    spools = args.spool or find_spools(settings.spool_dir or default_root())
+    root = settings.spool_dir or default_root()
+    spools = args.spool or find_spools(root)
     if not spools:
-        print(f"no spools left under {settings.spool_dir or default_root()}")
+        print(f"no spools left under {root}")
         return 0
     left = 0
     try:
