@@ -167,7 +167,7 @@ from producers import RankPublisher
 publisher = RankPublisher(run=sys.argv[1], rank=0, world_size=1, bootstrap=sys.argv[2], samplers=[], linger_s=0.1)
 for step in range(30):
     publisher.log({"loss": float(step)}, step)
-time.sleep(0.5)  # the last batch reaches the spool
+time.sleep(2.0)  # the last batch reaches the spool, with room for a loaded CI machine
 print(publisher._shipper._proc.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the process is gone
 """
