@@ -81,8 +81,6 @@ def write_status(directory: str | os.PathLike, status: Status) -> None:
 
 def _segments(directory: Path) -> list[tuple[int, Path]]:
     found = []
-    if not directory.is_dir():
-        return found  # removed from under us (a temp-dir cleaner): nothing left to ship
     for entry in os.scandir(directory):
         if entry.name.endswith(_SUFFIX):
             found.append((int(entry.name[: -len(_SUFFIX)]), Path(entry.path)))

@@ -164,26 +164,33 @@ def test_a_killed_shipper_is_replaced_and_nothing_is_lost(bootstrap, run_id, tmp
 _DYING_RANK = """
 import os, signal, sys, time
 from producers import RankPublisher
-publisher = RankPublisher(run=sys.argv[1], rank=0, world_size=1, bootstrap=sys.argv[2], samplers=[], linger_s=0.1)
+publisher = RankPublisher(run=sys.argv[1], rank=0, world_size=1, bootstrap=sys.argv[2], samplers=[], linger_s=0.1,
+                          connect_timeout_s=0.5)
 for step in range(30):
     publisher.log({"loss": float(step)}, step)
 time.sleep(2.0)  # the last batch reaches the spool, with room for a loaded CI machine
-print(publisher._shipper._proc.pid, flush=True)
+print(publisher.shipper_pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the process is gone
 """
 
 
 @pytest.mark.broker
-def test_a_killed_training_process_still_delivers_its_spooled_steps(bootstrap, run_id):
-    child = subprocess.run([sys.executable, "-c", _DYING_RANK, run_id, bootstrap], capture_output=True, text=True,
-                           timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
-    assert child.returncode == -signal.SIGKILL, child.stderr
-    assert _steps(bootstrap, run_id, 30) == list(range(30))
+def test_a_killed_training_process_still_delivers_its_spooled_steps(run_id, tmp_path):
+    # The broker is away while the rank runs and dies, so nothing can have been delivered before.
+    port = free_port()
+    with open(tmp_path / "stderr", "w") as err:  # a file, not a pipe: the orphaned shipper keeps it open
+        child = subprocess.run([sys.executable, "-c", _DYING_RANK, run_id, f"127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                               stderr=err, text=True, timeout=60,
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert child.returncode == -signal.SIGKILL, (tmp_path / "stderr").read_text()
     shipper = int(child.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while _alive(shipper) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(shipper)  # it noticed its parent was gone, delivered, and left
+    assert _alive(shipper)  # orphaned, and still trying (for drain_s)
+    with EmbeddedBroker(port=port).start() as broker:
+        assert _steps(broker.bootstrap, run_id, 30) == list(range(30))
+        deadline = time.monotonic() + 10
+        while _alive(shipper) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(shipper)  # it delivered, and left
 
 
 def _alive(pid: int) -> bool:
