@@ -62,12 +62,17 @@ def consume_json(
     """Plain kafka-python: read ``topic`` from the beginning until ``count`` JSON objects match
     (or, given ``until``, until it holds for the matches)."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
+    deadline = time.monotonic() + timeout_s
     try:
-        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        # A broker that has just started knows the topic only once its first producer has created it.
+        while not (partitions := consumer.partitions_for_topic(topic)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not partitions:
+            return []
+        tps = [TopicPartition(topic, p) for p in partitions]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
         found: list[dict] = []
-        deadline = time.monotonic() + timeout_s
         def done() -> bool:
             return until(found) if until is not None else len(found) >= count
 
