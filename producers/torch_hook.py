@@ -116,6 +116,7 @@ class _SenderGradNorms:
         self._groups, self._hook = groups, hook
         self._versions = [t._version for group in groups for t in group]
         self._values: list[float] | None = None
+        self.total, self.nonfinite = _Of(self, l2), _Of(self, count_nonfinite)
 
     def values(self) -> list[float]:
         if self._values is None:
@@ -128,9 +129,6 @@ class _SenderGradNorms:
                 raise Unavailable("the gradients changed before they were read")
             self._values = values
         return self._values
-
-    def of(self, fn: Callable[[list[float]], float]) -> _Of:
-        return _Of(self, fn)
 
 
 class _Of:
@@ -173,7 +171,7 @@ class TrainerHook:
         start_step: int = 0,
         samples_per_step: int | None = None,
         tokens_per_step: int | None = None,
-        weight_stats_every: int = 50,
+        weight_stats_every: int = 100,
         scaler: Any = None,
         time_collectives: bool = True,
         publish_grad_norm: bool = True,
@@ -269,32 +267,38 @@ class TrainerHook:
 
     # -- step boundaries (hooked into the optimizer, or called by an adapter) --------------------
 
-    @torch.no_grad()  # the weight snapshot (and grads made with create_graph=True) would grow a graph
     def before_step(self) -> None:
         """Just before the optimizer updates the weights: gradient statistics and the weight snapshot."""
         # The only device work on this thread: one fused per-tensor norm, or on a CPU model none (the
         # sender takes the pass, see _SenderGradNorms). The global norm (the value clip_grad_norm_
         # returns) and the non-finite count are computed by the sender.
+        # This runs right after the backward pass, when the interpreter's own data is out of the CPU
+        # caches: every object made or branch taken here costs microseconds, so there are few.
         if "grad_norm" not in self._metrics:  # else it is the caller's clip_grad_norm_ result: no second pass
-            grads = [[p.grad for p in group if p.grad is not None] for group in self._groups]
-            first = next((g for group in grads for g in group), None)
-            if self._grad_norm_on_sender is not False and first is not None:
-                if self._last_grad is not None and self._last_grad() is first:
-                    self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
-                else:
-                    self._last_grad, self._probe = weakref.ref(first), (first, first._version)
-            if self._grad_norm_on_sender:
-                lazy = _SenderGradNorms(grads, self)
-                total, nonfinite = lazy.of(l2), lazy.of(count_nonfinite)
-            else:
-                grad_norms = norms(grads)
-                total, nonfinite = Derived(l2, grad_norms), Derived(count_nonfinite, grad_norms)
-            if any(grads):
-                if self.publish_grad_norm:
-                    self._metrics["grad_norm"] = total
-                self._metrics["grad_nonfinite"] = nonfinite
+            grads = [[g for p in group if (g := p.grad) is not None] for group in self._groups]
+            first = grads[0][0] if grads and grads[0] else next((g for group in grads for g in group), None)
+            if first is not None:
+                self._grad_stats(grads, first)
         if self.weight_stats_every and self.step % self.weight_stats_every == 0:
-            self._snapshot = [torch._foreach_mul(group, 1.0) for group in self._groups]  # fused copies
+            with torch.no_grad():  # only where needed: entering no_grad costs tens of µs after a backward pass
+                self._snapshot = [torch._foreach_mul(group, 1.0) for group in self._groups]  # fused copies
+
+    def _grad_stats(self, grads: list[list[torch.Tensor]], first: torch.Tensor) -> None:
+        if self._grad_norm_on_sender is not False:
+            if self._last_grad is not None and self._last_grad() is first:
+                self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
+            else:
+                self._last_grad, self._probe = weakref.ref(first), (first, first._version)
+        if self._grad_norm_on_sender:
+            lazy = _SenderGradNorms(grads, self)
+            total, nonfinite = lazy.total, lazy.nonfinite
+        else:
+            with torch.no_grad():  # grads made with create_graph=True would grow a graph
+                grad_norms = norms(grads)
+            total, nonfinite = Derived(l2, grad_norms), Derived(count_nonfinite, grad_norms)
+        if self.publish_grad_norm:
+            self._metrics["grad_norm"] = total
+        self._metrics["grad_nonfinite"] = nonfinite
 
     def after_step(self) -> None:
         """Just after the update: learning rate, and the weight statistics when a snapshot was taken."""
@@ -304,7 +308,7 @@ class TrainerHook:
             if lr is not None:
                 self._metrics["lr" if i == 0 else f"lr/group{i}"] = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
         if self._snapshot is not None:
-            with torch.no_grad():  # only this branch needs it: entering no_grad costs microseconds per step
+            with torch.no_grad():
                 for old, group in zip(self._snapshot, self._groups):
                     torch._foreach_sub_(old, group)  # old - new: the update, negated
                 weights = norms(self._groups)
@@ -334,8 +338,10 @@ class TrainerHook:
             metrics["step_time_s"] = elapsed
             for name, counts, default in (("samples_per_s", self._samples, self.samples_per_step),
                                           ("tokens_per_s", self._tokens, self.tokens_per_step)):
-                if counts or default is not None:
-                    metrics[name] = Derived(lambda v, e=elapsed: math.fsum(v) / e, counts or [default])
+                if counts:  # ints or tensors, summed on the sender
+                    metrics[name] = Derived(lambda v, e=elapsed: math.fsum(v) / e, counts)
+                elif default is not None:
+                    metrics[name] = default / elapsed
         waited, collective = self._data_wait or 0.0, 0.0
         if self._data_wait is not None:
             metrics["data_wait_s"], self._data_wait = self._data_wait, 0.0
