@@ -5,7 +5,7 @@ Two ways, because on a shared machine the speed of a core drifts by several perc
 to the next:
 
 - paired single steps: two plain copies of the model and one hooked copy step in a fresh random
-  order each round, so drift cancels within a round (bootstrap 95% intervals, the plain-vs-plain
+  order each round, so drift cancels within a round (block-bootstrap 95% intervals, the plain-vs-plain
   A/A as the noise floor);
 - direct accounting, the hooked copy alone: CPU time inside the hook's callbacks, the training
   thread's waits for the GIL (from Linux's per-thread run and queue times), and the CPU time of
@@ -98,6 +98,7 @@ class _Arm:
 
 
 _CALLBACKS = ("set_loss", "before_step", "after_step", "end_step")
+_TURN = 10 * 6  # rounds in one turn of the roles through all six assignments of three copies
 
 
 def _timed(fn, spent: list[float]):
@@ -173,9 +174,10 @@ def _rounds(arms: list[_Arm], publisher: RankPublisher, seconds: float, min_roun
     """
     wall, cpu, step = [], [], 1
     assignments = list(itertools.permutations(range(len(arms))))
+    assert 10 * len(assignments) == _TURN
     clock, thread_clock = time.perf_counter, time.thread_time
     deadline = clock() + seconds
-    while len(wall) < min_rounds or clock() < deadline or len(wall) % (10 * len(assignments)):
+    while len(wall) < min_rounds or clock() < deadline or len(wall) % _TURN:
         if len(wall) % 10 == 0:
             roles = assignments[len(wall) // 10 % len(assignments)]
             for arm in arms:
@@ -193,15 +195,20 @@ def _rounds(arms: list[_Arm], publisher: RankPublisher, seconds: float, min_roun
     return np.array(wall).T, np.array(cpu).T
 
 
-def _ratio(x: np.ndarray, a: np.ndarray, stat) -> tuple[str, float, float]:
-    """``stat(x - a) / stat(a)`` over paired rounds, with a bootstrap 95% interval (rounds resampled):
-    as text, and the estimate and the interval's upper end."""
-    def ratio(x, a, axis=-1):
-        return stat(x - a, axis=axis) / stat(a, axis=axis)
+def _ratio(x: np.ndarray, a: np.ndarray, stat, block: int) -> tuple[str, float, float]:
+    """``stat(x - a) / stat(a)`` over paired rounds, with a 95% interval from a block bootstrap:
+    whole runs of ``block`` consecutive rounds are resampled, because the machine's speed drifts
+    over seconds and rounds close in time are not independent (resampling single rounds gave A/A
+    intervals that excluded zero). As text, and the estimate and the interval's upper end."""
+    def ratio(x, a):
+        return stat(x - a, axis=-1) / stat(a, axis=-1)
 
-    ci = scipy.stats.bootstrap((x, a), ratio, paired=True, vectorized=True, n_resamples=2000, batch=50,
-                               method="percentile", random_state=np.random.default_rng(0)).confidence_interval
-    return f"{ratio(x, a):+.2%} [{ci.low:+.2%}, {ci.high:+.2%}]", float(ratio(x, a)), float(ci.high)
+    n = len(x) // block
+    xb, ab = x[: n * block].reshape(n, block), a[: n * block].reshape(n, block)
+    picks = np.random.default_rng(0).integers(0, n, size=(2000, n))
+    samples = ratio(xb[picks].reshape(2000, -1), ab[picks].reshape(2000, -1))
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return f"{ratio(x, a):+.2%} [{low:+.2%}, {high:+.2%}]", float(ratio(x, a)), float(high)
 
 
 def _mean_ci(x: np.ndarray, chunks: int = 20) -> tuple[float, float]:
@@ -297,10 +304,10 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
         budget_rows.append(f"| {label} | {params:,} | {plain * 1e3:.3f} | {in_hook * 1e6:.1f} | {gil * 1e6:.1f} "
                            f"| {control_gil * 1e6:.1f} | {sender * 1e6:.1f} | {shipper * 1e6:.1f} | {broker} |")
         paired_rows.append(f"| {label} | {wall.shape[1]:,} | {np.median(wall[0]) * 1e3:.3f} | "
-                           + " | ".join(_ratio(t[k], t[0], stat)[0] for k in (2, 1)
+                           + " | ".join(_ratio(t[k], t[0], stat, _TURN)[0] for k in (2, 1)
                                         for t, stat in ((cpu, np.mean), (wall, np.median))) + " |")
         callback_rows.append(f"| {label} | " + " | ".join(f"{each[name] * 1e6:.1f}" for name in _CALLBACKS) + " |")
-        _, synced, synced_high = _ratio(cpu[2], cpu[0], np.mean)
+        _, synced, synced_high = _ratio(cpu[2], cpu[0], np.mean, _TURN)
         verdict_rows.append(f"| {label} | {plain * 1e3:.3f} | {in_hook / plain:.2%} | {synced:+.2%} | {gil / plain:.2%} "
                             f"| {synced_high + gil_high / plain:.2%} | {(sender + shipper) / plain:.2%} |")
 
@@ -309,7 +316,7 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
     print("(plain, plain again, hooked) pass between the copies every 10 rounds, through every assignment,")
     print("so no copy's own speed favours a role. Hook vs plain, and plain vs plain (A/A: the noise")
     print("floor), as a share of the plain step: mean of the CPU-time differences, median of the")
-    print("wall-time differences, [bootstrap 95% interval].\n")
+    print("wall-time differences, [95% interval: a bootstrap over whole turns of the roles, 60 rounds each].\n")
     print("| model | rounds | plain step, wall (ms) | hook: CPU mean | hook: wall median | A/A: CPU mean "
           "| A/A: wall median |")
     print("|---|---|---|---|---|---|---|")
