@@ -116,18 +116,22 @@ class _SenderGradNorms:
         self._groups, self._hook = groups, hook
         self._versions = [t._version for group in groups for t in group]
         self._values: list[float] | None = None
+        self.unreadable = False
         self.total, self.nonfinite = _Of(self, l2), _Of(self, count_nonfinite)
 
     def values(self) -> list[float]:
-        if self._values is None:
+        if self._values is None and not self.unreadable:
             with torch.no_grad():
                 values = [v for n in norms(self._groups) for v in n.tolist()]
             changed = any(t._version != v for t, v in zip((t for g in self._groups for t in g), self._versions))
             self._groups = []  # let go of the gradients
             if changed:
+                self.unreadable = True
                 self._hook._grad_norm_on_training_thread("the gradients changed before the sender read them")
-                raise Unavailable("the gradients changed before they were read")
-            self._values = values
+            else:
+                self._values = values
+        if self.unreadable:  # for every value of the step, not only the first one asked for
+            raise Unavailable("the gradients changed before they were read")
         return self._values
 
 

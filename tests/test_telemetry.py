@@ -115,6 +115,33 @@ def test_grad_norm_is_right_whether_the_loop_replaces_or_zeroes_its_gradients(bo
     assert ("keeps its gradient tensors" in caplog.text) is in_place
 
 
+def test_a_step_whose_gradients_change_before_the_sender_reads_them_publishes_neither_gradient_value():
+    from producers.values import Chunk
+
+    class Capture:
+        def __init__(self):
+            self.points = []
+
+        def log(self, metrics, step):
+            self.points.append((step, dict(metrics)))
+
+        def add_sampler(self, sampler):
+            pass
+
+    model, publisher = _net(), Capture()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    TrainerHook(model, opt, publisher, weight_stats_every=0)
+    for _ in range(2):  # the first step is the probe, on the training thread; the second goes to the sender
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        opt.step()
+    for p in model.parameters():
+        p.grad.mul_(2.0)  # in place, before the sender has read the second step's gradients
+    names = [{name for _, name, _ in Chunk([point], [], []).resolve()} for point in publisher.points]
+    assert {"grad_norm", "grad_nonfinite"} <= names[0]
+    assert not {"grad_norm", "grad_nonfinite"} & names[1] and "step_time_s" in names[1]
+
+
 def test_a_loop_that_clips_passes_its_pre_clip_norm(bootstrap, run_id):
     torch.manual_seed(2)
     model = _net()
