@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from rankwatch import contract
 from rankwatch.errors import RankwatchError
@@ -30,6 +36,8 @@ examples:
   rankwatch alerts --follow --run r1  # alerts of run r1 as they arrive
   rankwatch tail rankwatch.deadletter # any rankwatch topic, as JSON lines
   rankwatch report --run r1           # eval reports of run r1: metrics with 95% CIs, per evaluation
+
+A rankwatch process that seems stuck prints every thread's stack on `kill -USR1 PID`.
 """
 
 
@@ -41,9 +49,32 @@ def _wants_embedded(args: argparse.Namespace, env_bootstrap: str | None) -> bool
     return args.bootstrap is None and env_bootstrap is None
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    import os
+@contextmanager
+def _until_ctrl_c() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C sets a flag that the read loops check after each poll, instead of raising
+    KeyboardInterrupt wherever the main thread happens to be: inside the Kafka client's own code
+    that could leave it unable to close. A second Ctrl-C does raise it (a loop still connecting
+    checks no flag), and the block ends quietly either way."""
+    pressed = threading.Event()
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield pressed.is_set  # only the main thread gets signals; an ignored Ctrl-C stays ignored
+        return
 
+    def on_ctrl_c(*_) -> None:
+        if pressed.is_set():
+            raise KeyboardInterrupt
+        pressed.set()
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield pressed.is_set
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
     from rankwatch.stack import Stack
     from sinks import TerminalSink, read_topic
 
@@ -64,10 +95,14 @@ def cmd_up(args: argparse.Namespace) -> int:
                 flush=True,
             )
             sink = TerminalSink()
-            for record in read_topic(stack.bootstrap, contract.ALERTS, follow=True, from_beginning=False):
-                _emit_alert(record.value, sink)
+            with _until_ctrl_c() as pressed:
+                for record in read_topic(stack.bootstrap, contract.ALERTS, follow=True, from_beginning=False,
+                                         stop=pressed):
+                    _emit_alert(record.value, sink)
+            print("\nstopping…", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
-        print("\nstopped", file=sys.stderr, flush=True)
+        pass
+    print("stopped", file=sys.stderr, flush=True)
     return 0
 
 
@@ -106,16 +141,13 @@ def cmd_alerts(args: argparse.Namespace) -> int:
     from sinks import TerminalSink, read_topic
 
     sink = TerminalSink(as_json=args.json)
-    try:
-        for record in read_topic(_settings(args).bootstrap, contract.ALERTS, follow=args.follow):
+    with _until_ctrl_c() as pressed:
+        for record in read_topic(_settings(args).bootstrap, contract.ALERTS, follow=args.follow, stop=pressed):
             _emit_alert(record.value, sink, args.run)
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
 def cmd_notify(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
     from sinks import JsonlSink, Notifier, TerminalSink, WebhookSink
@@ -135,10 +167,8 @@ def cmd_notify(args: argparse.Namespace) -> int:
         raise RankwatchError("nothing to deliver to: give --jsonl and/or --webhook, or drop --quiet")
     state = Path(args.state) if args.state else Path(settings.data_dir) / "notify-offsets.json"
     notifier = Notifier(sinks, run=args.run, state_path=state)
-    try:
-        notifier.follow(settings.bootstrap, follow=not args.once, from_beginning=args.from_beginning)
-    except KeyboardInterrupt:
-        pass
+    with _until_ctrl_c() as pressed:  # an alert being delivered is finished and its offset saved
+        notifier.follow(settings.bootstrap, follow=not args.once, from_beginning=args.from_beginning, stop=pressed)
     print(f"delivered {notifier.delivered}, failed {notifier.failed}", file=sys.stderr)
     return 0 if not notifier.failed else 1
 
@@ -146,17 +176,15 @@ def cmd_notify(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     from sinks import read_topic
 
-    try:
+    with _until_ctrl_c() as pressed:
         for record in read_topic(
-            _settings(args).bootstrap, args.topic, follow=args.follow, from_beginning=not args.from_end
+            _settings(args).bootstrap, args.topic, follow=args.follow, from_beginning=not args.from_end, stop=pressed
         ):
             try:
                 line = json.dumps(contract.decode_any(record.value))
             except contract.SchemaError:
                 line = json.dumps({"undecodable": record.value.decode("utf-8", "replace")})
             print(line, flush=True)
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
@@ -174,8 +202,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_ship(args: argparse.Namespace) -> int:
-    import os
-
     from producers.shipper import CONFIG_ENV, Shipper, kafka_config
     from producers.spool import default_root, find_spools, has_writer
 
@@ -210,8 +236,6 @@ def cmd_ship(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import os
-
     from rankwatch.demo.run import run_demo
 
     settings = _settings(args)
@@ -305,8 +329,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:  # the real stderr: sys.stderr may have no fd
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    on_term = None
+    if (args.func in (cmd_up, cmd_broker, cmd_demo) and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
+        # `kill`, `timeout`, `docker stop`: the same clean stop as Ctrl-C (else the broker and
+        # workers, in their own processes, would be left running)
+        on_term = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
         return args.func(args)
     except RankwatchError as exc:
         print(f"rankwatch: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)

@@ -2,6 +2,7 @@
 
 Workers run as child processes (``python -m rankwatch worker``) in their own sessions, so Ctrl-C
 reaches only us and we stop things in order: workers first (they commit and leave), broker last.
+A worker whose Stack process dies without stopping it (SIGKILL, a crash) stops itself within a second.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rankwatch.errors import RankwatchError
 from rankwatch.settings import Settings
 
 READY_LINE = "rankwatch worker ready"  # printed by stream_processors.worker; kept in sync by a test
+PARENT_ENV = "RANKWATCH_PARENT_PID"  # a worker started by a Stack stops when this process is gone
 
 
 class WorkerProcess:
@@ -95,7 +97,7 @@ class Stack:
         return self
 
     def start_workers(self) -> None:
-        env = dict(os.environ, **self.settings.to_env())
+        env = dict(os.environ, **self.settings.to_env(), **{PARENT_ENV: str(os.getpid())})
         self.workers = [WorkerProcess(self.settings, i, echo=self.echo, env=env) for i in range(self.n_workers)]
         self.wait_ready()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,11 +55,12 @@ class Notifier:
         self.failed += not ok
         return ok
 
-    def follow(self, bootstrap: str, *, follow: bool = True, from_beginning: bool = False) -> None:
+    def follow(self, bootstrap: str, *, follow: bool = True, from_beginning: bool = False,
+               stop: Callable[[], bool] | None = None) -> None:
         offsets = self._load_offsets()
         try:
             for record in read_topic(bootstrap, contract.ALERTS, follow=follow,
-                                     from_beginning=from_beginning, offsets=offsets):
+                                     from_beginning=from_beginning, offsets=offsets, stop=stop):
                 try:
                     self.handle(Alert.from_bytes(record.value))
                 except SchemaError as exc:

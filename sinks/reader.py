@@ -7,7 +7,7 @@ which the embedded broker answers wrongly; that check is right on every broker.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
@@ -24,11 +24,13 @@ def read_topic(
     poll_ms: int = 100,
     stop_after_s: float | None = None,
     offsets: Mapping[int, int] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> Iterator[ConsumerRecord]:
     """Yield the topic's records in per-partition order; stop when caught up unless ``follow``.
 
     ``offsets`` (partition -> next offset) resumes where an earlier reader stopped; partitions
-    not in it start at the beginning or the end as ``from_beginning`` says.
+    not in it start at the beginning or the end as ``from_beginning`` says. ``stop()`` is asked
+    after every poll (``poll_ms``): a reader that follows ends cleanly when it says True.
     """
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap,
@@ -52,7 +54,7 @@ def read_topic(
             if offsets and tp.partition in offsets:
                 consumer.seek(tp, offsets[tp.partition])
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
-        while deadline is None or time.monotonic() < deadline:
+        while (deadline is None or time.monotonic() < deadline) and not (stop is not None and stop()):
             got = consumer.poll(timeout_ms=poll_ms)
             for tp in tps:
                 yield from got.get(tp, ())

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import faust
 
 from rankwatch import contract
 from rankwatch.admin import detect_flavor, ensure_topics
 from rankwatch.settings import Settings
-from rankwatch.stack import READY_LINE
+from rankwatch.stack import PARENT_ENV, READY_LINE
 from stream_processors.app import make_app
 
 
@@ -21,6 +24,13 @@ def build_app(settings: Settings) -> faust.App:
         assigned = app.consumer.assignment()
         owned = sorted(tp.partition for tp in assigned if tp.topic == contract.TELEMETRY)
         print(f"{READY_LINE}: broker {settings.bootstrap} ({flavor}), telemetry partitions {owned}", flush=True)
+
+    parent = os.environ.get(PARENT_ENV)
+    if parent:
+        @app.timer(interval=1.0)
+        async def exit_with_parent():  # a supervisor killed outright must not leave its workers running
+            if os.getppid() != int(parent):
+                os.kill(os.getpid(), signal.SIGTERM)  # Faust's clean stop
 
     return app
 

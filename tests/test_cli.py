@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from rankwatch import contract
 from rankwatch.broker import EmbeddedBroker, free_port, port_is_free
 from rankwatch.contract import Series, TelemetryBatch
 from rankwatch.errors import BrokerError
+from rankwatch.stack import READY_LINE
 
 RANKWATCH = [sys.executable, "-m", "rankwatch"]
 
@@ -60,27 +63,87 @@ def test_tail_refuses_a_topic_that_is_not_rankwatch_s():
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
-def test_up_starts_everything_and_ctrl_c_stops_it_cleanly(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_up_starts_everything_and_ctrl_c_or_sigterm_stops_it_cleanly(tmp_path, stop):
     port = free_port()
     env = dict(os.environ, RANKWATCH_DATA_DIR=str(tmp_path))
     env.pop("RANKWATCH_BOOTSTRAP", None)
     proc = subprocess.Popen([*RANKWATCH, "up", "--port", str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines = []
+    lines: list[str] = []
+    banner_seen = threading.Event()
+
+    def read() -> None:  # all of it, to the end: a full pipe would block the process
         for line in proc.stdout:
             lines.append(line)
             if "Ctrl-C stops everything" in line:
-                break
+                banner_seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert banner_seen.wait(120), "".join(lines)
         banner = "".join(lines)
         assert f"127.0.0.1:{port}" in banner and "memory only" in banner, banner
         assert not port_is_free("127.0.0.1", port)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        proc.send_signal(stop)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # rankwatch prints every thread's stack
+            time.sleep(1)
+            pytest.fail(f"rankwatch up did not stop within 30 s of {stop.name}; its output:\n" + "".join(lines))
+        reader.join(5)
+        assert code == 0, "".join(lines)
+        assert "stopped" in lines[-1]
     finally:
         if proc.poll() is None:
             proc.kill()
     assert port_is_free("127.0.0.1", port)  # the broker went down with it
+
+
+_SUPERVISOR = """
+import os, subprocess, sys, time
+from rankwatch.stack import PARENT_ENV
+with open(sys.argv[2], "w") as out:  # a file, not a pipe: the worker must not die of a broken pipe instead
+    worker = subprocess.Popen([sys.executable, "-m", "rankwatch", "worker", "--bootstrap", sys.argv[1]],
+                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                              env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_worker_whose_supervisor_is_killed_outright_stops_itself(tmp_path):
+    # Workers run in their own sessions (Ctrl-C reaches only the supervisor), so nothing else stops them.
+    output = tmp_path / "worker.out"
+    with EmbeddedBroker(port=free_port()) as broker:
+        supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, broker.bootstrap, str(output)],
+                                      stdout=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, RANKWATCH_DATA_DIR=str(tmp_path)))
+        worker = int(supervisor.stdout.readline())
+        try:
+            deadline = time.monotonic() + 90
+            while READY_LINE not in output.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert READY_LINE in output.read_text(), output.read_text()
+            supervisor.kill()
+            supervisor.wait()
+            deadline = time.monotonic() + 30
+            while _running(worker) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not _running(worker), output.read_text()
+        finally:
+            supervisor.kill()
+            if _running(worker):
+                os.kill(worker, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"  # a zombie has stopped
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def test_broker_start_fails_clearly_when_the_port_is_taken():
