@@ -74,6 +74,14 @@ def _until_ctrl_c() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
+def _like_ctrl_c(signum: int, frame) -> None:
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:  # Ctrl-C is ignored here (started as a background job): SIGTERM still stops us
+        raise KeyboardInterrupt
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from rankwatch.stack import Stack
     from sinks import TerminalSink, read_topic
@@ -332,11 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:  # the real stderr: sys.stderr may have no fd
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     on_term = None
-    if (args.func in (cmd_up, cmd_broker, cmd_demo) and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
+    if args.func in (cmd_up, cmd_broker, cmd_demo) and threading.current_thread() is threading.main_thread():
         # `kill`, `timeout`, `docker stop`: the same clean stop as Ctrl-C (else the broker and
         # workers, in their own processes, would be left running)
-        on_term = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+        on_term = signal.signal(signal.SIGTERM, _like_ctrl_c)
     try:
         return args.func(args)
     except RankwatchError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -24,6 +25,12 @@ TEST_RULES = Path(__file__).with_name("rules.toml")
 # (Not in a conftest.py at the root: spawned ranks that import this module by name would get that one.)
 _TMP = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="rankwatch-tests-")
 tempfile.tempdir = None
+
+
+# A runner that starts the suite as a background job (`make test &`) ignores Ctrl-C, and the
+# processes the tests start would inherit that: the tests that press Ctrl-C need it back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
