@@ -95,3 +95,11 @@ def consume_json(
         return found
     finally:
         consumer.close()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs; a zombie (exited, not yet reaped by its new parent) has stopped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

@@ -9,11 +9,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import consume_json
+from conftest import consume_json, process_alive
 from kafka import KafkaProducer
 
 from rankwatch import contract
@@ -130,20 +129,13 @@ def test_a_worker_whose_supervisor_is_killed_outright_stops_itself(tmp_path):
             supervisor.kill()
             supervisor.wait()
             deadline = time.monotonic() + 30
-            while _running(worker) and time.monotonic() < deadline:
+            while process_alive(worker) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert not _running(worker), output.read_text()
+            assert not process_alive(worker), output.read_text()
         finally:
             supervisor.kill()
-            if _running(worker):
+            if process_alive(worker):
                 os.kill(worker, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"  # a zombie has stopped
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def test_broker_start_fails_clearly_when_the_port_is_taken():

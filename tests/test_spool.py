@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import consume_json
+from conftest import consume_json, process_alive
 
 from producers import RankPublisher
 from producers.spool import SpoolReader, SpoolWriter
@@ -184,19 +184,11 @@ def test_a_killed_training_process_still_delivers_its_spooled_steps(run_id, tmp_
                                env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
     assert child.returncode == -signal.SIGKILL, (tmp_path / "stderr").read_text()
     shipper = int(child.stdout.split()[0])
-    assert _alive(shipper)  # orphaned, and still trying (for drain_s)
+    assert process_alive(shipper)  # orphaned, and still trying (for drain_s)
     with EmbeddedBroker(port=port).start() as broker:
         assert _steps(broker.bootstrap, run_id, 30) == list(range(30))
         deadline = time.monotonic() + 10
-        while _alive(shipper) and time.monotonic() < deadline:
+        while process_alive(shipper) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(shipper)  # it delivered, and left
+        assert not process_alive(shipper)  # it delivered, and left
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, its new parent has not reaped it yet) counts as gone.
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z" if Path(f"/proc/{pid}").exists() else True
