@@ -98,7 +98,8 @@ class _Arm:
 
 
 _CALLBACKS = ("set_loss", "before_step", "after_step", "end_step")
-_TURN = 10 * 6  # rounds in one turn of the roles through all six assignments of three copies
+_ROLE_ROUNDS = 10  # rounds before the roles pass to the next assignment
+_TURN = _ROLE_ROUNDS * 6  # rounds in one turn of the roles through all six assignments of three copies
 
 
 def _timed(fn, spent: list[float]):
@@ -174,12 +175,12 @@ def _rounds(arms: list[_Arm], publisher: RankPublisher, seconds: float, min_roun
     """
     wall, cpu, step = [], [], 1
     assignments = list(itertools.permutations(range(len(arms))))
-    assert 10 * len(assignments) == _TURN
+    assert _ROLE_ROUNDS * len(assignments) == _TURN
     clock, thread_clock = time.perf_counter, time.thread_time
     deadline = clock() + seconds
     while len(wall) < min_rounds or clock() < deadline or len(wall) % _TURN:
-        if len(wall) % 10 == 0:
-            roles = assignments[len(wall) // 10 % len(assignments)]
+        if len(wall) % _ROLE_ROUNDS == 0:
+            roles = assignments[len(wall) // _ROLE_ROUNDS % len(assignments)]
             for arm in arms:
                 step = arm.detach() or step
             arms[roles[-1]].attach(publisher, step)
