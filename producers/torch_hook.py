@@ -106,15 +106,16 @@ class _SenderGradNorms:
     (``set_to_none=True``, torch's default) replaces them rather than changing them, so the sender
     reads them as the step left them; until it has (within about 0.1 s) they stay alive beside the
     next step's gradients. The hook starts on the training thread and moves the work here only
-    after a step that changed its gradients neither after ``before_step`` (a trainer that clips
-    later, in place) nor kept them for the next step (``set_to_none=False``); it moves back when a
-    later step does either. A step whose gradients changed before the sender read them (their
-    version counters moved) loses its values; they are never published wrong.
+    after a step that changed its gradients neither between ``before_step`` and ``after_step`` (a
+    trainer that clips in between, in place) nor kept them for the next step (``set_to_none=False``);
+    it moves back when a later step does either. A step whose gradients changed before the sender
+    read them loses its values; they are never published wrong. One gradient is watched for that
+    (``probe``, at version ``version``): what changes gradients in place (clipping, scaling,
+    zeroing) changes all of them.
     """
 
-    def __init__(self, groups: list[list[torch.Tensor]], hook: TrainerHook):
-        self._groups, self._hook = groups, hook
-        self._versions = [t._version for group in groups for t in group]
+    def __init__(self, groups: list[list[torch.Tensor]], probe: torch.Tensor, version: int, hook: TrainerHook):
+        self._groups, self._probe, self._version, self._hook = groups, probe, version, hook
         self._values: list[float] | None = None
         self.unreadable = False
         self.total, self.nonfinite = _Of(self, l2), _Of(self, count_nonfinite)
@@ -123,8 +124,8 @@ class _SenderGradNorms:
         if self._values is None and not self.unreadable:
             with torch.no_grad():
                 values = [v for n in norms(self._groups) for v in n.tolist()]
-            changed = any(t._version != v for t, v in zip((t for g in self._groups for t in g), self._versions))
-            self._groups = []  # let go of the gradients
+            changed = self._probe._version != self._version
+            self._groups, self._probe = [], None  # let go of the gradients
             if changed:
                 self.unreadable = True
                 self._hook._grad_norm_on_training_thread("the gradients changed before the sender read them")
@@ -195,12 +196,17 @@ class TrainerHook:
         self._tokens: list[Any] = []
         # Parameter lists per (device, dtype) for the fused kernels; groups added later are not watched.
         self._groups = _by_device(self._params())
-        # On a CPU model: None until the first step showed that nothing changes the gradients after
-        # before_step (a trainer that clips later, in place) and that the next step has new ones.
+        # On a CPU model: None until the first step showed that nothing changes the gradients between
+        # before_step and after_step (a trainer that clips in between, in place).
         cpu = all(group[0].device.type == "cpu" for group in self._groups if group)
         self._grad_norm_on_sender: bool | None = None if cpu else False
-        self._last_grad: weakref.ref | None = None  # the previous step's first gradient tensor
-        self._probe: tuple[torch.Tensor, int] | None = None  # this step's first gradient and its version
+        # One trainable parameter's gradient is watched from before_step to after_step (is it changed
+        # in place in between?) and from step to step (is it replaced, or zeroed in place?).
+        self._probe_param = next((p for group in self._groups for p in group if p.requires_grad), None)
+        if self._probe_param is None:
+            self._grad_norm_on_sender = False
+        self._last_grad: weakref.ref | None = None  # the previous step's probed gradient
+        self._probe: tuple[torch.Tensor, int] | None = None  # this step's probed gradient and its version
         self._snapshot: list[torch.Tensor] | None = None
         self._data_wait: float | None = None
         self._last_end: float | None = None
@@ -235,12 +241,15 @@ class TrainerHook:
         ``samples`` / ``tokens`` (ints or tensors) add up over the step's micro-batches, for
         ``samples_per_s`` / ``tokens_per_s``; they override the constructor's per-step counts.
         """
-        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+        # Not detached: the sender reads it within about 0.1 s, and detach() would cost the training
+        # thread more than the rest of this call.
+        self._losses.append(loss if isinstance(loss, torch.Tensor) else float(loss))
         if samples is not None:
             self._samples.append(samples)
         if tokens is not None:
             self._tokens.append(tokens)
-        self._metrics.update(extra)
+        if extra:
+            self._metrics.update(extra)
 
     def log_stats(self, stats: Mapping[str, Any]) -> None:
         """Add a flat stats dict (numbers or 0-d tensors) to this step's point, names unchanged."""
@@ -273,39 +282,63 @@ class TrainerHook:
 
     def before_step(self) -> None:
         """Just before the optimizer updates the weights: gradient statistics and the weight snapshot."""
-        # The only device work on this thread: one fused per-tensor norm, or on a CPU model none (the
-        # sender takes the pass, see _SenderGradNorms). The global norm (the value clip_grad_norm_
-        # returns) and the non-finite count are computed by the sender.
         # This runs right after the backward pass, when the interpreter's own data is out of the CPU
-        # caches: every object made or branch taken here costs microseconds, so there are few.
+        # caches: every object made or branch taken here costs microseconds, so there are few. On a
+        # CPU model the gradients are gathered after the update instead (``_grads_to_sender``), when
+        # the optimizer has just read them; here only one of them is marked, to see that the
+        # optimizer changed none of them.
         if "grad_norm" not in self._metrics:  # else it is the caller's clip_grad_norm_ result: no second pass
-            grads = [[g for p in group if (g := p.grad) is not None] for group in self._groups]
-            first = grads[0][0] if grads and grads[0] else next((g for group in grads for g in group), None)
-            if first is not None:
-                self._grad_stats(grads, first)
+            probe = None if self._grad_norm_on_sender is False else self._probe_param.grad
+            if probe is not None:
+                self._probe = (probe, probe._version)
+            if probe is None or self._grad_norm_on_sender is None:
+                self._grad_stats_here([[g for p in group if (g := p.grad) is not None] for group in self._groups])
         if self.weight_stats_every and self.step % self.weight_stats_every == 0:
             with torch.no_grad():  # only where needed: entering no_grad costs tens of µs after a backward pass
                 self._snapshot = [torch._foreach_mul(group, 1.0) for group in self._groups]  # fused copies
 
-    def _grad_stats(self, grads: list[list[torch.Tensor]], first: torch.Tensor) -> None:
-        if self._grad_norm_on_sender is not False:
-            if self._last_grad is not None and self._last_grad() is first:
-                self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
-            else:
-                self._last_grad, self._probe = weakref.ref(first), (first, first._version)
-        if self._grad_norm_on_sender:
-            lazy = _SenderGradNorms(grads, self)
-            total, nonfinite = lazy.total, lazy.nonfinite
-        else:
+    def _grad_stats_here(self, grads: list[list[torch.Tensor]]) -> None:
+        """The step's gradient statistics from one fused per-tensor norm launched on this thread.
+
+        It is the only device work on the training thread; the global norm (the value
+        ``clip_grad_norm_`` returns) and the non-finite count are computed by the sender.
+        """
+        if any(grads):
             with torch.no_grad():  # grads made with create_graph=True would grow a graph
                 grad_norms = norms(grads)
-            total, nonfinite = Derived(l2, grad_norms), Derived(count_nonfinite, grad_norms)
+            self._publish_grad_stats(Derived(l2, grad_norms), Derived(count_nonfinite, grad_norms))
+
+    def _grads_to_sender(self, grad: torch.Tensor, version: int) -> None:
+        """After the update, on a CPU model: the step's gradients go to the sender (``_SenderGradNorms``).
+
+        ``grad`` is the probed gradient as ``before_step`` saw it, and ``version`` its version then.
+        """
+        if grad._version != version or self._probe_param.grad is not grad:
+            self._grad_norm_on_training_thread("the gradients changed between before_step and after_step (clipping?)")
+            return  # unless the first step computed them above, this step's values are gone: never published wrong
+        kept = self._last_grad is not None and self._last_grad() is grad
+        self._last_grad = weakref.ref(grad)
+        if self._grad_norm_on_sender is None:  # the first step: computed by before_step
+            self._grad_norm_on_sender = True
+            return
+        grads = [[g for p in group if (g := p.grad) is not None] for group in self._groups]
+        if kept:  # zeroed in place, perhaps before the sender could read them: read them now
+            self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
+            self._grad_stats_here(grads)
+        else:
+            lazy = _SenderGradNorms(grads, grad, version, self)
+            self._publish_grad_stats(lazy.total, lazy.nonfinite)
+
+    def _publish_grad_stats(self, total: Any, nonfinite: Any) -> None:
         if self.publish_grad_norm:
             self._metrics["grad_norm"] = total
         self._metrics["grad_nonfinite"] = nonfinite
 
     def after_step(self) -> None:
         """Just after the update: learning rate, and the weight statistics when a snapshot was taken."""
+        if self._probe is not None:  # the optimizer has just read the gradients: they are cheap to gather now
+            probe, self._probe = self._probe, None
+            self._grads_to_sender(*probe)
         groups = self.optimizer.param_groups
         for i, group in enumerate(groups):
             lr = group.get("lr")
@@ -323,43 +356,42 @@ class TrainerHook:
     def end_step(self, step: int | None = None, *, skipped: Any = None) -> None:
         """Publish this step's point (at ``step`` if given, else the hook's own counter) and start the next."""
         now = time.perf_counter()
-        if self._probe is not None:
-            grad, version = self._probe
-            self._probe = None
-            if grad._version != version:
-                self._grad_norm_on_training_thread("the gradients changed after the optimizer hook (clipping?)")
-            elif self._grad_norm_on_sender is None:
-                self._grad_norm_on_sender = True
         metrics, self._metrics = self._metrics, {}
         if step is not None:
             self.step = step
-        if self._losses:
-            metrics["loss"] = self._losses[0] if len(self._losses) == 1 else Derived(_mean, self._losses)
+        if losses := self._losses:
+            metrics["loss"] = losses[0] if len(losses) == 1 else Derived(_mean, losses)
+            self._losses = []
         if skipped is not None:
             metrics["step_skipped"] = skipped
-        if self._last_end is not None:
-            elapsed = now - self._last_end
-            metrics["step_time_s"] = elapsed
-            for name, counts, default in (("samples_per_s", self._samples, self.samples_per_step),
-                                          ("tokens_per_s", self._tokens, self.tokens_per_step)):
-                if counts:  # ints or tensors, summed on the sender
-                    metrics[name] = Derived(lambda v, e=elapsed: math.fsum(v) / e, counts)
-                elif default is not None:
-                    metrics[name] = default / elapsed
-        waited, collective = self._data_wait or 0.0, 0.0
+        last, self._last_end = self._last_end, now
+        if last is not None:
+            elapsed = metrics["step_time_s"] = now - last
+            if self._samples:  # ints or tensors, summed on the sender
+                metrics["samples_per_s"] = Derived(lambda v, e=elapsed: math.fsum(v) / e, self._samples)
+            elif self.samples_per_step is not None:
+                metrics["samples_per_s"] = self.samples_per_step / elapsed
+            if self._tokens:
+                metrics["tokens_per_s"] = Derived(lambda v, e=elapsed: math.fsum(v) / e, self._tokens)
+            elif self.tokens_per_step is not None:
+                metrics["tokens_per_s"] = self.tokens_per_step / elapsed
+        waited = collective = 0.0
         if self._data_wait is not None:
-            metrics["data_wait_s"], self._data_wait = self._data_wait, 0.0
+            metrics["data_wait_s"] = waited = self._data_wait
+            self._data_wait = 0.0
         if self._timer is not None:
             metrics["collective_time_s"] = collective = self._timer.take()
-        if "step_time_s" in metrics:
+        if last is not None:
             left = metrics["step_time_s"] - waited
             metrics["compute_time_s"] = (max(0.0, left - collective) if isinstance(collective, float)
                                          else _Remainder(left, collective))
-        self._last_end = now
         if metrics:
             self.publisher.log(stage(metrics) if self._on_cuda else metrics, self.step)
         self.step += 1
-        self._losses, self._samples, self._tokens = [], [], []
+        if self._samples:  # a fresh list only when one was used: every object made here costs
+            self._samples = []
+        if self._tokens:
+            self._tokens = []
 
     # -- internals -------------------------------------------------------------------------------
 

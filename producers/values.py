@@ -132,9 +132,13 @@ class Chunk:
         self._copies: list[tuple[_DeviceCopy, list[int]]] = []
         self._lazy: list[tuple[Any, int]] = []
         self._staged: list[tuple[int, Staged]] = []
+        slots = self._slots
         for step, metrics in points:
             for name, value in metrics.items():
-                self._add(step, name, value)
+                if type(value) is float:  # most values: the training thread's own clocks and counts
+                    slots.append((step, name, value))
+                else:
+                    self._add(step, name, value)
             time.sleep(0)  # hand the GIL back between points: the training thread never waits long for it
         for members in self._cuda.values():
             self._copies.append((_DeviceCopy([t for _, t in members], self._torch), [c for c, _ in members]))

@@ -116,19 +116,7 @@ def test_grad_norm_is_right_whether_the_loop_replaces_or_zeroes_its_gradients(bo
 
 
 def test_a_step_whose_gradients_change_before_the_sender_reads_them_publishes_neither_gradient_value():
-    from producers.values import Chunk
-
-    class Capture:
-        def __init__(self):
-            self.points = []
-
-        def log(self, metrics, step):
-            self.points.append((step, dict(metrics)))
-
-        def add_sampler(self, sampler):
-            pass
-
-    model, publisher = _net(), Capture()
+    model, publisher = _net(), _Capture()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     TrainerHook(model, opt, publisher, weight_stats_every=0)
     for _ in range(2):  # the first step is the probe, on the training thread; the second goes to the sender
@@ -137,9 +125,75 @@ def test_a_step_whose_gradients_change_before_the_sender_reads_them_publishes_ne
         opt.step()
     for p in model.parameters():
         p.grad.mul_(2.0)  # in place, before the sender has read the second step's gradients
-    names = [{name for _, name, _ in Chunk([point], [], []).resolve()} for point in publisher.points]
-    assert {"grad_norm", "grad_nonfinite"} <= names[0]
-    assert not {"grad_norm", "grad_nonfinite"} & names[1] and "step_time_s" in names[1]
+    assert set(publisher.values("grad_norm")) == set(publisher.values("grad_nonfinite")) == {0}
+    assert set(publisher.values("step_time_s")) == {1}
+
+
+class _Capture:
+    """A publisher stand-in that keeps what the hook logs, read as the sender would read it."""
+
+    def __init__(self):
+        self.points = []
+
+    def log(self, metrics, step):
+        self.points.append((step, dict(metrics)))
+
+    def add_sampler(self, sampler):
+        pass
+
+    def values(self, name: str) -> dict[int, float]:
+        from producers.values import Chunk
+
+        return {step: v for step, n, v in Chunk(self.points, [], []).resolve() if n == name}
+
+
+class _ShrinkingSGD(torch.optim.Optimizer):
+    """Plain SGD that first scales the gradients in place, as some hand-written optimizers do."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.mul_(1e-3), alpha=-group["lr"])
+
+
+def test_an_optimizer_that_changes_the_gradients_never_gets_a_wrong_grad_norm():
+    # The sender reads a CPU model's gradients after the update, when the optimizer has just read
+    # them; this one changed them first, so what it leaves behind is not what the step computed.
+    torch.manual_seed(3)
+    model, publisher = _net(), _Capture()
+    opt = _ShrinkingSGD(model.parameters(), lr=0.01)
+    hook = TrainerHook(model, opt, publisher, weight_stats_every=0)
+    expected = {}
+    for step in range(4):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 6)).pow(2).mul(100).mean().backward()
+        expected[step] = _total_norm([p.grad for p in model.parameters()])
+        opt.step()
+    published = publisher.values("grad_norm")
+    assert published == pytest.approx(expected, rel=1e-5)  # every step, none of them the shrunk norm
+    assert hook._grad_norm_on_sender is False  # the first step showed it: the training thread reads them
+
+
+def test_grad_norm_is_published_on_a_step_where_the_watched_parameter_has_no_gradient():
+    torch.manual_seed(4)
+    model, publisher = _net(), _Capture()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hook = TrainerHook(model, opt, publisher, weight_stats_every=0)
+    first, last = model[0], model[2]
+    expected = {}
+    for step in range(4):
+        opt.zero_grad(set_to_none=True)
+        features = torch.randn(8, 16) if step == 2 else first(torch.randn(8, 6))  # step 2 skips the first layer
+        last(features.tanh()).pow(2).mean().backward()
+        expected[step] = _total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        opt.step()
+    assert hook._probe_param is first.weight and hook._grad_norm_on_sender
+    assert publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_loop_that_clips_passes_its_pre_clip_norm(bootstrap, run_id):
