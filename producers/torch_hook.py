@@ -284,9 +284,9 @@ class TrainerHook:
         """Just before the optimizer updates the weights: gradient statistics and the weight snapshot."""
         # This runs right after the backward pass, when the interpreter's own data is out of the CPU
         # caches: every object made or branch taken here costs microseconds, so there are few. On a
-        # CPU model the gradients are gathered after the update instead (``_grads_to_sender``), when
-        # the optimizer has just read them; here only one of them is marked, to see that the
-        # optimizer changed none of them.
+        # CPU model only one gradient is read here, with its version; the rest are gathered after
+        # the update (``_grads_to_sender``), where that version shows whether anything changed
+        # them in between.
         if "grad_norm" not in self._metrics:  # else it is the caller's clip_grad_norm_ result: no second pass
             probe = None if self._grad_norm_on_sender is False else self._probe_param.grad
             if probe is not None:
@@ -336,7 +336,7 @@ class TrainerHook:
 
     def after_step(self) -> None:
         """Just after the update: learning rate, and the weight statistics when a snapshot was taken."""
-        if self._probe is not None:  # the optimizer has just read the gradients: they are cheap to gather now
+        if self._probe is not None:  # a CPU model's gradients, marked by before_step
             probe, self._probe = self._probe, None
             self._grads_to_sender(*probe)
         groups = self.optimizer.param_groups
