@@ -23,6 +23,7 @@ import gc
 import itertools
 import logging
 import os
+import resource
 import sys
 import tempfile
 import threading
@@ -228,20 +229,22 @@ def _mean_ci(x: np.ndarray, chunks: int = 20) -> tuple[float, float]:
 
 def _alone(arm: _Arm, seconds: float, others: dict[str, int | None], probe=lambda: None) -> dict:
     """Run one copy alone for about ``seconds``: per step, the training thread's blocked time (wall
-    minus CPU minus run-queue time: waiting for the GIL), and CPU nanoseconds of every thread of
-    this process and of the ``others`` processes (name: pid) over the whole run. ``probe()`` runs
-    after each step, untimed."""
+    minus CPU minus run-queue time: waiting for the GIL); its page faults per step; and CPU
+    nanoseconds of every thread of this process and of the ``others`` processes (name: pid) over
+    the whole run. ``probe()`` runs after each step, untimed."""
     clocks, blocked = _Clocks(), []
     others = {name: pid for name, pid in others.items() if pid}
     gc.collect()
     before, others_before = _cpu_ns("self"), {name: _cpu_ns(pid) for name, pid in others.items()}
     deadline = time.perf_counter() + seconds
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     while len(blocked) < 50 or time.perf_counter() < deadline:
         w0, c0, q0 = clocks.read()
         arm.step()
         w1, c1, q1 = clocks.read()
         blocked.append((w1 - w0) - (c1 - c0) - (q1 - q0))
         probe()
+    faults = (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults) / len(blocked)
     if arm.publisher is not None:
         arm.publisher.flush()  # the sender's work for these steps is done before its CPU time is read
     clocks.close()
@@ -250,7 +253,8 @@ def _alone(arm: _Arm, seconds: float, others: dict[str, int | None], probe=lambd
     for name, pid in others.items():
         now = _cpu_ns(pid)
         spent[name] = _spent_ns(others_before[name], now, now)
-    return {"steps": len(blocked), "blocked": np.array(blocked), "threads": (before, after), "others": spent}
+    return {"steps": len(blocked), "blocked": np.array(blocked), "faults": faults, "threads": (before, after),
+            "others": spent}
 
 
 def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_s: float | None,
@@ -303,7 +307,8 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
         shipper = hooked["others"]["shipper"] / steps / 1e9
         params = sum(p.numel() for p in arms[0].model.parameters())
         budget_rows.append(f"| {label} | {params:,} | {plain * 1e3:.3f} | {in_hook * 1e6:.1f} | {gil * 1e6:.1f} "
-                           f"| {control_gil * 1e6:.1f} | {sender * 1e6:.1f} | {shipper * 1e6:.1f} | {broker} |")
+                           f"| {control_gil * 1e6:.1f} | {hooked['faults']:.0f} | {control['faults']:.0f} "
+                           f"| {sender * 1e6:.1f} | {shipper * 1e6:.1f} | {broker} |")
         paired_rows.append(f"| {label} | {wall.shape[1]:,} | {np.median(wall[0]) * 1e3:.3f} | "
                            + " | ".join(_ratio(t[k], t[0], stat, _TURN)[0] for k in (2, 1)
                                         for t, stat in ((cpu, np.mean), (wall, np.median))) + " |")
@@ -327,12 +332,15 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
     print("alone, per step: CPU time inside the hook's callbacks (timed from the bench, less the timer's")
     print("own cost measured after each step); the training thread's time blocked, i.e. neither running")
     print("nor queued for a core (it does no I/O, so: waiting for the GIL while the publisher's sender")
-    print("thread holds it), with the plain copy alone and no publisher as the control; CPU time of the")
-    print("publisher's sender thread, of its shipper process (the Kafka client) and of the broker, which")
-    print("on a cluster runs on another machine.\n")
+    print("thread holds it), with the plain copy alone and no publisher as the control; the training")
+    print("thread's page faults (memory the allocator had given back to the system and takes again;")
+    print("the hook keeps a step's gradients until the sender has read them, which changes when that")
+    print("happens), with the same control; CPU time of the publisher's sender thread, of its shipper")
+    print("process (the Kafka client) and of the broker, which on a cluster runs on another machine.\n")
     print("| model | params | plain step CPU (ms) | in hook callbacks, CPU (µs) | GIL wait (µs) "
-          "| GIL wait, control (µs) | sender thread, CPU (µs) | shipper process, CPU (µs) | broker CPU (µs) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| GIL wait, control (µs) | page faults | page faults, control | sender thread, CPU (µs) "
+          "| shipper process, CPU (µs) | broker CPU (µs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(budget_rows))
     print("\nThe callbacks one by one (µs of CPU per step; before_step holds the pass over the gradients,")
     print(f"before_step and after_step also the weight statistics every {TrainerHook.__init__.__kwdefaults__['weight_stats_every']} steps):\n")
