@@ -115,20 +115,6 @@ def test_grad_norm_is_right_whether_the_loop_replaces_or_zeroes_its_gradients(bo
     assert ("keeps its gradient tensors" in caplog.text) is in_place
 
 
-def test_a_step_whose_gradients_change_before_the_sender_reads_them_publishes_neither_gradient_value():
-    model, publisher = _net(), _Capture()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    TrainerHook(model, opt, publisher, weight_stats_every=0)
-    for _ in range(2):  # the first step is the probe, on the training thread; the second goes to the sender
-        opt.zero_grad(set_to_none=True)
-        model(torch.randn(8, 6)).pow(2).mean().backward()
-        opt.step()
-    for p in model.parameters():
-        p.grad.mul_(2.0)  # in place, before the sender has read the second step's gradients
-    assert set(publisher.values("grad_norm")) == set(publisher.values("grad_nonfinite")) == {0}
-    assert set(publisher.values("step_time_s")) == {1}
-
-
 class _Capture:
     """A publisher stand-in that keeps what the hook logs, read as the sender would read it."""
 
@@ -147,6 +133,20 @@ class _Capture:
         return {step: v for step, n, v in Chunk(self.points, [], []).resolve() if n == name}
 
 
+def test_a_step_whose_gradients_change_before_the_sender_reads_them_publishes_neither_gradient_value():
+    model, publisher = _net(), _Capture()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    TrainerHook(model, opt, publisher, weight_stats_every=0)
+    for _ in range(2):  # the first step is the probe, on the training thread; the second goes to the sender
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        opt.step()
+    for p in model.parameters():
+        p.grad.mul_(2.0)  # in place, before the sender has read the second step's gradients
+    assert set(publisher.values("grad_norm")) == set(publisher.values("grad_nonfinite")) == {0}
+    assert set(publisher.values("step_time_s")) == {1}
+
+
 class _ShrinkingSGD(torch.optim.Optimizer):
     """Plain SGD that first scales the gradients in place, as some hand-written optimizers do."""
 
@@ -162,8 +162,8 @@ class _ShrinkingSGD(torch.optim.Optimizer):
 
 
 def test_an_optimizer_that_changes_the_gradients_never_gets_a_wrong_grad_norm():
-    # The sender reads a CPU model's gradients after the update, when the optimizer has just read
-    # them; this one changed them first, so what it leaves behind is not what the step computed.
+    # The hook gathers a CPU model's gradients for the sender after the update; this optimizer
+    # changed them first, so what it leaves behind is not what the step computed.
     torch.manual_seed(3)
     model, publisher = _net(), _Capture()
     opt = _ShrinkingSGD(model.parameters(), lr=0.01)
