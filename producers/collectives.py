@@ -103,15 +103,18 @@ class CollectiveTimer:
     def begin(self, tensor: Any) -> Any:
         self.calls += 1
         key, now = next(self._ids), time.perf_counter()
+        # In flight on the host until end(): a backend that runs CUDA collectives on the host (gloo)
+        # calls it only when the peers have come, NCCL as soon as the kernel is queued.
+        self._open[key] = now
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(tensor.device))
             return key, now, start, tensor.device
-        self._open[key] = now
         return key, now, None, None
 
     def end(self, token: Any) -> None:
         key, began, start, device = token
+        self._open.pop(key, None)
         if start is not None:
             # On the caller's stream, which waits for the collective to finish before this event.
             end = torch.cuda.Event(enable_timing=True)
@@ -119,7 +122,6 @@ class CollectiveTimer:
             self._cuda.append((start, end))
             self._device_open.append((began, end))
         else:
-            self._open.pop(key, None)
             self._host.append((began, time.perf_counter()))
 
     def waiting_s(self) -> float:

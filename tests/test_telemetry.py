@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import threading
 import time
+import traceback
+import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 
 import pytest
 import torch
 from conftest import consume_json
 
+import producers
 from producers import RankPublisher, TrainerHook
+from producers.torch_hook import count_nonfinite
 from rankwatch import contract
 from rankwatch.contract import HEARTBEAT
 
 pytestmark = pytest.mark.broker
+
+# The hook's CUDA paths (fused norms on the device, staged copies, device-timed collectives, GPU
+# memory) are tested wherever a GPU is there; CPU always.
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def read_series(bootstrap: str, run: str, sent: int) -> dict[tuple[int, str], list[tuple[int, float]]]:
@@ -39,35 +50,68 @@ def _total_norm(tensors) -> float:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])).item()
 
 
-def test_published_values_equal_what_the_loop_computed(bootstrap, run_id):
+@contextlib.contextmanager
+def _device_waits_in_rankwatch(device: str) -> Iterator[list[str]]:
+    """Yields the list of the calls from rankwatch's code (``producers``) that made this thread wait
+    for a CUDA device, found by CUDA's sync debug mode; the loop's own waits do not count."""
+    waits: list[str] = []
+    if torch.device(device).type != "cuda":  # a CPU tensor is on the host already: nothing to wait for
+        yield waits
+        return
+    thread, ours = threading.get_ident(), os.path.dirname(producers.__file__)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if threading.get_ident() == thread and "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack() if f.filename.startswith(ours)]
+            if frames:
+                waits.append(f"{frames[-1].filename}:{frames[-1].lineno} {frames[-1].line}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield waits
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_published_values_equal_what_the_loop_computed(bootstrap, run_id, device):
     torch.manual_seed(1)
-    model = _net()
+    model = _net().to(device)
     opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 1e-3}], lr=0.05)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap)
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, heartbeat_s=0.2)
     hook = TrainerHook(model, opt, publisher, samples_per_step=32, weight_stats_every=2)
     batches = [torch.randn(32, 6) for _ in range(6)]
     batches[4][0, 0] = float("nan")
+    with _device_waits_in_rankwatch(device) as waits:  # the detector works: a CUDA value read in our code
+        count_nonfinite([torch.ones((), device=device)])
+    assert len(waits) == (device == "cuda")
     expected = defaultdict(dict)
-    for step, x in enumerate(hook.wrap_loader(batches)):
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        before = [p.detach().clone() for p in model.parameters()]
-        expected["grad_norm"][step] = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
-        expected["grad_nonfinite"][step] = float(sum(not torch.isfinite(p.grad).all() for p in model.parameters()))
-        expected["loss"][step] = loss.item()
-        expected["lr"][step], expected["lr/group1"][step] = (g["lr"] for g in opt.param_groups)
-        hook.set_loss(loss, reward=2.0 * step)
-        hook.log_stats({"ppo_actor/update/grad_norm": 0.5, "timeperf/train_step": torch.tensor(0.25)})
-        opt.step()
-        schedule.step()
-        if step % 2 == 0:
-            params = list(model.parameters())
-            expected["param_norm"][step] = _total_norm(params)
-            expected["update_ratio"][step] = _total_norm([p - b for p, b in zip(params, before)]) / _total_norm(params)
-        expected["reward"][step], expected["ppo_actor/update/grad_norm"][step] = 2.0 * step, 0.5
-        expected["timeperf/train_step"][step] = 0.25
+    with _device_waits_in_rankwatch(device) as waits:
+        for step, x in enumerate(hook.wrap_loader([b.to(device) for b in batches])):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            expected["grad_norm"][step] = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+            expected["grad_nonfinite"][step] = float(sum(not torch.isfinite(p.grad).all() for p in model.parameters()))
+            expected["loss"][step] = loss.item()
+            expected["lr"][step], expected["lr/group1"][step] = (g["lr"] for g in opt.param_groups)
+            hook.set_loss(loss, reward=2.0 * step)
+            hook.log_stats({"ppo_actor/update/grad_norm": 0.5, "timeperf/train_step": torch.tensor(0.25, device=device)})
+            opt.step()
+            schedule.step()
+            if step % 2 == 0:
+                params = list(model.parameters())
+                expected["param_norm"][step] = _total_norm(params)
+                expected["update_ratio"][step] = _total_norm([p - b for p, b in zip(params, before)]) / _total_norm(params)
+            expected["reward"][step], expected["ppo_actor/update/grad_norm"][step] = 2.0 * step, 0.5
+            expected["timeperf/train_step"][step] = 0.25
+    assert waits == []  # the loop's own .item() calls wait; the hook's callbacks never do
+    time.sleep(0.5)  # heartbeats, which carry the memory readings
     publisher.close()
     stats = publisher.stats()
     assert (stats.dropped, stats.failed, stats.invalid) == (0, 0, 0)
@@ -88,6 +132,14 @@ def test_published_values_equal_what_the_loop_computed(bootstrap, run_id):
     assert dict(got[(0, "samples_per_s")]) == pytest.approx({s: 32 / t for s, t in times.items()}, rel=1e-9)
     assert [s for s, _ in got[(0, "data_wait_s")]] == list(range(6))
     assert all(0 <= v < 0.1 for _, v in got[(0, "data_wait_s")])  # a list yields at once
+    assert got[(0, "rss_bytes")][-1][1] > 0
+    gpu = {name for _, name in got if name.startswith("gpu_mem_")}
+    if device == "cuda":  # read with the heartbeats after the loop's tensors were made
+        assert gpu == {"gpu_mem_allocated_bytes", "gpu_mem_reserved_bytes", "gpu_mem_peak_bytes"}
+        allocated, reserved, peak = (got[(0, f"gpu_mem_{n}_bytes")][-1][1] for n in ("allocated", "reserved", "peak"))
+        assert 0 < allocated <= peak <= reserved, (allocated, reserved, peak)
+    else:
+        assert gpu == set()
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -196,15 +248,16 @@ def test_grad_norm_is_published_on_a_step_where_the_watched_parameter_has_no_gra
     assert publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)
 
 
-def test_a_loop_that_clips_passes_its_pre_clip_norm(bootstrap, run_id):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_loop_that_clips_passes_its_pre_clip_norm(bootstrap, run_id, device):
     torch.manual_seed(2)
-    model = _net()
+    model = _net().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
     hook = TrainerHook(model, opt, publisher)
     expected = []
     for _ in range(3):
-        model(torch.randn(8, 6)).pow(2).mean().mul(100).backward()
+        model(torch.randn(8, 6, device=device)).pow(2).mean().mul(100).backward()
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
         expected.append(total.item())
         hook.set_loss(0.0, grad_norm=total)
@@ -235,15 +288,16 @@ def test_data_wait_measures_a_slow_loader(bootstrap, run_id):
     assert len(waits) == 3 and all(0.09 < w < 1.0 for w in waits)
 
 
-def test_a_grad_scaler_skipped_step_is_reported(bootstrap, run_id):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_grad_scaler_skipped_step_is_reported(bootstrap, run_id, device):
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
+    model = torch.nn.Linear(4, 1).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    scaler = torch.amp.GradScaler(device, init_scale=16.0)
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
     hook = TrainerHook(model, opt, publisher, scaler=scaler)
     for step in range(4):
-        x = torch.randn(8, 4)
+        x = torch.randn(8, 4, device=device)
         if step == 2:
             x[0, 0] = float("inf")
         loss = model(x).pow(2).mean()
@@ -285,7 +339,7 @@ WORLD = 2
 SLOW_RANK, SLOW_STEP, SLOW_S = 1, 2, 2.5  # one rank dawdles before its backward on one step
 
 
-def _rank_main(rank: int, port: int, bootstrap: str, run: str, results) -> None:
+def _rank_main(rank: int, port: int, bootstrap: str, run: str, results, device: str) -> None:
     """One rank of a 2-process DDP job over gloo, configured only by the environment, as torchrun does."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), RANKWATCH_RUN=run, RANKWATCH_BOOTSTRAP=bootstrap)
@@ -293,25 +347,26 @@ def _rank_main(rank: int, port: int, bootstrap: str, run: str, results) -> None:
     torch.distributed.init_process_group("gloo")
     # run, bootstrap, rank, world size, local rank from the environment; frequent heartbeats
     publisher = RankPublisher.from_env(samplers=[], heartbeat_s=0.3)
-    model = torch.nn.parallel.DistributedDataParallel(_net())
+    model = torch.nn.parallel.DistributedDataParallel(_net().to(device))  # gloo takes CUDA tensors too
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     hook = TrainerHook(model, opt, publisher)
     for step in range(4):
-        loss = model(torch.randn(16, 6)).pow(2).mean()
+        loss = model(torch.randn(16, 6, device=device)).pow(2).mean()
         opt.zero_grad()
         if rank == SLOW_RANK and step == SLOW_STEP:
             time.sleep(SLOW_S)  # the straggler: its peer waits for it inside DDP's all-reduce
         loss.backward()  # DDP's bucket all-reduce, timed by the hook's comm hook
         hook.set_loss(loss)
         opt.step()
-        torch.distributed.all_reduce(torch.ones(256))  # a plain collective, timed by the wrapper
+        torch.distributed.all_reduce(torch.ones(256, device=device))  # a plain collective, timed by the wrapper
     publisher.close()
     stats = publisher.stats()
     results.put((rank, publisher.local_rank, publisher.producer_id, stats.sent, stats.failed))
     torch.distributed.destroy_process_group()
 
 
-def test_every_rank_of_a_gloo_job_reports_with_its_identity_and_collective_time(bootstrap, run_id):
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_rank_of_a_gloo_job_reports_with_its_identity_and_collective_time(bootstrap, run_id, device):
     import torch.multiprocessing as mp
 
     from rankwatch.broker import free_port
@@ -319,7 +374,7 @@ def test_every_rank_of_a_gloo_job_reports_with_its_identity_and_collective_time(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()  # the rendezvous
-    procs = [ctx.Process(target=_rank_main, args=(r, port, bootstrap, run_id, results)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank_main, args=(r, port, bootstrap, run_id, results, device)) for r in range(WORLD)]
     for p in procs:
         p.start()
     reports = sorted(results.get(timeout=120) for _ in range(WORLD))
