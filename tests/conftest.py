@@ -14,12 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from kafka import KafkaConsumer, TopicPartition
 
 from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 
 TEST_RULES = Path(__file__).with_name("rules.toml")
+
+# Tests of code with CUDA paths (fused norms on the device, staged copies, device-timed collectives,
+# GPU memory, autocast) take a ``device``: CPU always, CUDA too wherever torch sees a GPU.
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 # Publishers spool under the temp dir: keep the suite's spools (and what a test leaves) in one place.
 # (Not in a conftest.py at the root: spawned ranks that import this module by name would get that one.)

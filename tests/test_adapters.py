@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 from test_telemetry import read_series
 
 from producers import RankPublisher
@@ -26,7 +27,8 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": mask, "labels": ids}
 
 
-def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id, tmp_path, device):
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from producers.adapters.huggingface import RankwatchCallback
@@ -36,7 +38,7 @@ def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, logging_steps=2,
-        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, learning_rate=1e-3, max_grad_norm=0.5,
+        report_to=[], save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, learning_rate=1e-3, max_grad_norm=0.5,
     )
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap)
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(),
@@ -70,7 +72,8 @@ def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id
 
 
 @pytest.mark.filterwarnings("ignore:.*LeafSpec")  # raised inside lightning 2.6 under torch 2.13
-def test_lightning_trainer_publishes_every_optimizer_step(bootstrap, run_id):
+@pytest.mark.parametrize("device", DEVICES)
+def test_lightning_trainer_publishes_every_optimizer_step(bootstrap, run_id, device):
     import lightning.pytorch as L
 
     from producers.adapters.lightning import RankwatchCallback
@@ -101,7 +104,7 @@ def test_lightning_trainer_publishes_every_optimizer_step(bootstrap, run_id):
     module = Regression()
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=STEPS, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+        accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=STEPS, enable_checkpointing=False, logger=False, enable_progress_bar=False,
         enable_model_summary=False, gradient_clip_val=0.01, callbacks=[RankwatchCallback(publisher)],
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import consume_json
+from conftest import DEVICES, consume_json
 from kafka import KafkaProducer
 from torch.utils.data import TensorDataset
 
@@ -102,11 +102,12 @@ def test_runs_in_eval_mode_without_grad_and_restores_train_mode():
     assert not model.training  # and an eval-mode model stays in eval mode
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), (None, torch.float32)])
-def test_autocast_on_cpu(precision, dtype):
+def test_autocast_on_the_model_device(precision, dtype, device):
     torch.manual_seed(0)
-    model = torch.nn.Linear(16, 4)
-    x = torch.randn(40, 16)
+    model = torch.nn.Linear(16, 4).to(device)
+    x = torch.randn(40, 16, device=device)
     dtypes = set()
 
     def eval_fn(batch):
@@ -118,7 +119,7 @@ def test_autocast_on_cpu(precision, dtype):
                             model=model, autocast=precision)
     assert dtypes == {dtype}
     with torch.no_grad():
-        exact = model(x)[:, 0].numpy()
+        exact = model(x)[:, 0].cpu().numpy()
     assert np.allclose(result.metrics["score"], exact, atol=0.05) and result.metrics["score"].dtype == np.float64
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import consume_json
+from conftest import DEVICES, consume_json
 
 import producers
 from producers import RankPublisher, TrainerHook
@@ -24,10 +24,6 @@ from rankwatch import contract
 from rankwatch.contract import HEARTBEAT
 
 pytestmark = pytest.mark.broker
-
-# The hook's CUDA paths (fused norms on the device, staged copies, device-timed collectives, GPU
-# memory) are tested wherever a GPU is there; CPU always.
-DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def read_series(bootstrap: str, run: str, sent: int) -> dict[tuple[int, str], list[tuple[int, float]]]:
