@@ -14,7 +14,8 @@ and never raised.
 The sender thread also publishes a heartbeat every ``heartbeat_s``: a telemetry batch whose series
 ``heartbeat_age_s`` is the time since the last ``log()`` (its step: the last logged step), with the
 samplers' readings (RSS, CPU, GPU memory) at the same step. A rank whose training thread hangs
-keeps sending heartbeats with a growing age; a rank whose process died sends none.
+keeps sending heartbeats with a growing age; a rank whose process died sends none. The last batch
+of ``close()`` also carries the samplers' readings.
 """
 
 from __future__ import annotations
@@ -331,11 +332,16 @@ class RankPublisher:
                     self._outbox_since = time.monotonic()
                 self._outbox += triples
             urgent = any(not math.isfinite(value) for _, _, value in triples)
-            if urgent or chunk.markers or chunk.final:
+            if chunk.final:
+                # The last word carries the samplers' readings, so a run shorter than one heartbeat
+                # still reports its memory; with nothing else left to send, it is a heartbeat.
                 if self._outbox:
-                    self._send_outbox(final=chunk.final)
-                elif chunk.final:  # nothing left to send: the last word is a heartbeat
+                    self._outbox += self._readings()
+                    self._send_outbox(final=True)
+                else:
                     self._heartbeat(time.monotonic(), final=True)
+            elif (urgent or chunk.markers) and self._outbox:
+                self._send_outbox()
             for event in chunk.events:
                 self._try_send(event)
         finally:
@@ -349,16 +355,20 @@ class RankPublisher:
     def _heartbeat(self, now: float, *, final: bool = False) -> None:
         if self._outbox:  # the heartbeat names the last step: its points must not arrive after it
             self._send_outbox()
-        step = self._last_step
-        triples = [(step, HEARTBEAT, now - (self._last_log or self._started))]
+        triples = [(self._last_step, HEARTBEAT, now - (self._last_log or self._started)), *self._readings()]
+        self._heartbeats += 1
+        self._try_send(self._build(triples, final=final))
+
+    def _readings(self) -> list[tuple[int, str, float]]:
+        """The samplers' readings, at the last logged step."""
+        triples = []
         for sampler in self._samplers:
             try:
-                triples += [(step, name, float(value)) for name, value in sampler().items()]
+                triples += [(self._last_step, name, float(value)) for name, value in sampler().items()]
             except Exception:  # a broken sampler is dropped, not retried every beat
                 log.exception("rankwatch: sampler %r failed; it is switched off", sampler)
                 self._samplers = [s for s in self._samplers if s is not sampler]
-        self._heartbeats += 1
-        self._try_send(self._build(triples, final=final))
+        return triples
 
     def _build(self, triples: list[tuple[int, str, float]], *, final: bool = False) -> TelemetryBatch:
         steps: dict[str, list[int]] = defaultdict(list)
