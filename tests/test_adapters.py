@@ -38,7 +38,8 @@ def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, logging_steps=2,
-        report_to=[], save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, learning_rate=1e-3, max_grad_norm=0.5,
+        report_to=[], save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, learning_rate=1e-3,
+        max_grad_norm=0.5,
     )
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap)
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(),
@@ -104,8 +105,9 @@ def test_lightning_trainer_publishes_every_optimizer_step(bootstrap, run_id, dev
     module = Regression()
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap)
     trainer = L.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=STEPS, enable_checkpointing=False, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, gradient_clip_val=0.01, callbacks=[RankwatchCallback(publisher)],
+        accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=STEPS, enable_checkpointing=False,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.01,
+        callbacks=[RankwatchCallback(publisher)],
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
     publisher.close()

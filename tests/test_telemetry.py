@@ -97,13 +97,15 @@ def test_published_values_equal_what_the_loop_computed(bootstrap, run_id, device
             expected["loss"][step] = loss.item()
             expected["lr"][step], expected["lr/group1"][step] = (g["lr"] for g in opt.param_groups)
             hook.set_loss(loss, reward=2.0 * step)
-            hook.log_stats({"ppo_actor/update/grad_norm": 0.5, "timeperf/train_step": torch.tensor(0.25, device=device)})
+            train_step_s = torch.tensor(0.25, device=device)
+            hook.log_stats({"ppo_actor/update/grad_norm": 0.5, "timeperf/train_step": train_step_s})
             opt.step()
             schedule.step()
             if step % 2 == 0:
                 params = list(model.parameters())
                 expected["param_norm"][step] = _total_norm(params)
-                expected["update_ratio"][step] = _total_norm([p - b for p, b in zip(params, before)]) / _total_norm(params)
+                update = _total_norm([p - b for p, b in zip(params, before)])
+                expected["update_ratio"][step] = update / _total_norm(params)
             expected["reward"][step], expected["ppo_actor/update/grad_norm"][step] = 2.0 * step, 0.5
             expected["timeperf/train_step"][step] = 0.25
     assert waits == []  # the loop's own .item() calls wait; the hook's callbacks never do
