@@ -26,7 +26,7 @@ The training thread only launches fused per-tensor norm kernels (``torch._foreac
 copies on the publisher's sender thread (``producers.values.Derived``), so the training thread
 never waits for the device. On a CPU model those kernels are the pass itself, a read of every
 gradient, so the hook hands the gradient tensors to the sender thread, which computes their norms
-there (see ``_SenderGradNorms``). Process RSS, CPU and GPU memory are sampled by the sender thread
+there (``producers.grad_norms``). Process RSS, CPU and GPU memory are sampled by the sender thread
 with each heartbeat.
 """
 
@@ -36,32 +36,18 @@ import logging
 import math
 import time
 import weakref
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from producers.collectives import CollectiveTimer
+from producers.grad_norms import Handoff, by_device, count_nonfinite, l2, norms
 from producers.publisher import RankPublisher
 from producers.system import CudaMemorySampler
-from producers.values import Derived, Unavailable, stage
+from producers.values import Derived, stage
 
 log = logging.getLogger(__name__)
-
-
-def l2(values: list[float]) -> float:
-    """The L2 norm of per-tensor L2 norms: the global norm (NaN and Inf propagate).
-
-    >>> l2([3.0, 4.0])
-    5.0
-    """
-    return math.sqrt(math.fsum(v * v for v in values))
-
-
-def count_nonfinite(values: list[float]) -> float:
-    return float(sum(not math.isfinite(v) for v in values))
-
 
 def _update_ratio(values: list[float]) -> float:
     half = len(values) // 2  # update norms, then weight norms
@@ -85,70 +71,6 @@ class _Remainder:
 
     def item(self) -> float:
         return max(0.0, self.left - self.collective.item())
-
-
-def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        groups[(t.device, t.dtype)].append(t)
-    return list(groups.values())
-
-
-def norms(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, one vector per device and dtype: a fused kernel and a stack each, no sync."""
-    return [torch.stack(torch._foreach_norm(group, 2.0)) for group in groups if group]
-
-
-class _SenderGradNorms:
-    """A CPU model's per-tensor gradient norms, computed on the sender thread.
-
-    The training thread keeps only references to the step's gradient tensors. ``zero_grad()``
-    (``set_to_none=True``, torch's default) replaces them rather than changing them, so the sender
-    reads them as the step left them; until it has (within about 0.1 s) they stay alive beside the
-    next step's gradients. The hook starts on the training thread and moves the work here only
-    after a step that changed its gradients neither between ``before_step`` and ``after_step`` (a
-    trainer that clips in between, in place) nor kept them for the next step (``set_to_none=False``);
-    it moves back when a later step does either. A step whose gradients changed before the sender
-    read them loses its values; they are never published wrong. One gradient is watched for that
-    (``probe``, at version ``version``): what changes gradients in place (clipping, scaling,
-    zeroing) changes all of them.
-    """
-
-    def __init__(self, groups: list[list[torch.Tensor]], probe: torch.Tensor, version: int, hook: TrainerHook):
-        self._groups, self._probe, self._version, self._hook = groups, probe, version, hook
-        self._values: list[float] | None = None
-        self.unreadable = False
-        self.total, self.nonfinite = _Of(self, l2), _Of(self, count_nonfinite)
-
-    def values(self) -> list[float]:
-        if self._values is None and not self.unreadable:
-            with torch.no_grad():
-                values = [v for n in norms(self._groups) for v in n.tolist()]
-            changed = self._probe._version != self._version
-            self._groups, self._probe = [], None  # let go of the gradients
-            if changed:
-                self.unreadable = True
-                self._hook._grad_norm_on_training_thread("the gradients changed before the sender read them")
-            else:
-                self._values = values
-        if self.unreadable:  # for every value of the step, not only the first one asked for
-            raise Unavailable("the gradients changed before they were read")
-        return self._values
-
-
-class _Of:
-    """``fn`` of a :class:`_SenderGradNorms`, as a lazy value (ready at once; read on the sender thread)."""
-
-    __slots__ = ("norms", "fn")
-
-    def __init__(self, norms: _SenderGradNorms, fn: Callable[[list[float]], float]):
-        self.norms, self.fn = norms, fn
-
-    def done(self) -> bool:
-        return True
-
-    def item(self) -> float:
-        return self.fn(self.norms.values())
 
 
 class TrainerHook:
@@ -195,7 +117,7 @@ class TrainerHook:
         self._samples: list[Any] = []
         self._tokens: list[Any] = []
         # Parameter lists per (device, dtype) for the fused kernels; groups added later are not watched.
-        self._groups = _by_device(self._params())
+        self._groups = by_device(self._params())
         # On a CPU model: None until the first step showed that nothing changes the gradients between
         # before_step and after_step (a trainer that clips in between, in place).
         cpu = all(group[0].device.type == "cpu" for group in self._groups if group)
@@ -206,6 +128,7 @@ class TrainerHook:
         if self._probe_param is None:
             self._grad_norm_on_sender = False
         self._last_grad: weakref.ref | None = None  # the previous step's probed gradient
+        self._handoff = Handoff(sum(p.numel() * p.element_size() for p in self._params() if p.requires_grad))
         self._probe: tuple[torch.Tensor, int] | None = None  # this step's probed gradient and its version
         self._snapshot: list[torch.Tensor] | None = None
         self._data_wait: float | None = None
@@ -309,7 +232,7 @@ class TrainerHook:
             self._publish_grad_stats(Derived(l2, grad_norms), Derived(count_nonfinite, grad_norms))
 
     def _grads_to_sender(self, grad: torch.Tensor, version: int) -> None:
-        """After the update, on a CPU model: the step's gradients go to the sender (``_SenderGradNorms``).
+        """After the update, on a CPU model: the step's gradients go to the sender (``SenderGradNorms``).
 
         ``grad`` is the probed gradient as ``before_step`` saw it, and ``version`` its version then.
         """
@@ -325,8 +248,10 @@ class TrainerHook:
         if kept:  # zeroed in place, perhaps before the sender could read them: read them now
             self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
             self._grad_stats_here(grads)
+        elif self._handoff.full():  # the sender is behind: keep no more gradients alive for it
+            self._grad_stats_here(grads)
         else:
-            lazy = _SenderGradNorms(grads, grad, version, self)
+            lazy = self._handoff.hand(grads, grad, version, self._grad_norm_on_training_thread)
             self._publish_grad_stats(lazy.total, lazy.nonfinite)
 
     def _publish_grad_stats(self, total: Any, nonfinite: Any) -> None:

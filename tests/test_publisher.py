@@ -14,10 +14,10 @@ from conftest import consume_json
 
 from producers import publisher as publisher_module
 from producers.collectives import CollectiveTimer, busy_time
+from producers.grad_norms import l2
 from producers.publisher import RankPublisher, rank_identity
 from producers.shipper import kafka_config
 from producers.system import ProcessSampler
-from producers.torch_hook import l2
 from producers.values import Chunk, Derived, Staged, stage
 from rankwatch import contract
 from rankwatch.broker import free_port

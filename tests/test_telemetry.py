@@ -18,8 +18,8 @@ import torch
 from conftest import DEVICES, consume_json
 
 import producers
-from producers import RankPublisher, TrainerHook
-from producers.torch_hook import count_nonfinite
+from producers import RankPublisher, TrainerHook, grad_norms
+from producers.grad_norms import count_nonfinite
 from rankwatch import contract
 from rankwatch.contract import HEARTBEAT
 
@@ -245,6 +245,32 @@ def test_grad_norm_is_published_on_a_step_where_the_watched_parameter_has_no_gra
         opt.step()
     assert hook._probe_param is first.weight and hook._grad_norm_on_sender
     assert publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_sender_that_falls_behind_keeps_a_bounded_number_of_steps_gradients_alive(monkeypatch, caplog):
+    torch.manual_seed(5)
+    model, publisher = _net(), _Capture()  # a sender that reads nothing until values() is called
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hook = TrainerHook(model, opt, publisher, weight_stats_every=0)
+    monkeypatch.setattr(grad_norms, "KEEP_GRAD_BYTES", 3 * hook._handoff.grad_bytes)
+    expected = {}
+
+    def step(n: int) -> None:
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        expected[n] = _total_norm([p.grad for p in model.parameters()])
+        opt.step()
+
+    with caplog.at_level(logging.WARNING, logger="producers.grad_norms"):
+        for n in range(8):
+            step(n)
+    # Step 0 showed nothing changes the gradients; steps 1-3 handed theirs to the sender; from step 4
+    # on the training thread computed the norms, as the bound allows three steps' worth.
+    assert [r() is not None and r().holding() for r in hook._handoff.unread] == [True] * 3
+    assert "has yet to read 3 steps of gradients" in caplog.text and "(4 steps so far)" in caplog.text
+    assert publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)  # the sender reads them now
+    step(8)  # and the next step's gradients go to the sender again
+    assert len(hook._handoff.unread) == 1 and publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,142 @@
+"""Gradient norms: fused per-tensor norms, the global statistics made of them, and a CPU model's
+hand-off of its gradients to the publisher's sender thread.
+
+On a GPU the per-tensor norms are one fused kernel, launched on the training thread and read later.
+On a CPU model that kernel is the pass over the gradients itself, so ``TrainerHook`` hands the
+gradient tensors to the sender thread instead (``Handoff``), which computes their norms there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections import defaultdict, deque
+from collections.abc import Callable
+
+import torch
+
+from producers.values import Unavailable
+
+log = logging.getLogger(__name__)
+
+#: Gradient bytes of a CPU model that may wait for the sender thread to read them. Past this (and
+#: two steps' worth), the training thread computes a step's gradient norms itself, so a sender that
+#: falls behind cannot make the gradients it has yet to read fill memory.
+KEEP_GRAD_BYTES = 256 << 20
+
+
+def l2(values: list[float]) -> float:
+    """The L2 norm of per-tensor L2 norms: the global norm (NaN and Inf propagate).
+
+    >>> l2([3.0, 4.0])
+    5.0
+    """
+    return math.sqrt(math.fsum(v * v for v in values))
+
+
+def count_nonfinite(values: list[float]) -> float:
+    return float(sum(not math.isfinite(v) for v in values))
+
+
+def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped per (device, dtype), the groups one fused kernel can take."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return list(groups.values())
+
+
+def norms(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, one vector per device and dtype: a fused kernel and a stack each, no sync."""
+    return [torch.stack(torch._foreach_norm(group, 2.0)) for group in groups if group]
+
+
+class SenderGradNorms:
+    """A CPU model's per-tensor gradient norms, computed on the sender thread.
+
+    The training thread keeps only references to the step's gradient tensors. ``zero_grad()``
+    (``set_to_none=True``, torch's default) replaces them rather than changing them, so the sender
+    reads them as the step left them; until it has (within about 0.1 s) they stay alive beside the
+    next steps' gradients. The hook starts on the training thread and moves the work here only
+    after a step that changed its gradients neither between ``before_step`` and ``after_step`` (a
+    trainer that clips in between, in place) nor kept them for the next step (``set_to_none=False``);
+    it moves back when a later step does either. A step whose gradients changed before the sender
+    read them loses its values; they are never published wrong. One gradient is watched for that
+    (``probe``, at version ``version``): what changes gradients in place (clipping, scaling,
+    zeroing) changes all of them. ``on_changed(why)`` is called, on the sender thread, when it did.
+    """
+
+    def __init__(self, groups: list[list[torch.Tensor]], probe: torch.Tensor, version: int,
+                 on_changed: Callable[[str], None]):
+        self._groups, self._probe, self._version, self._on_changed = groups, probe, version, on_changed
+        self._values: list[float] | None = None
+        self.unreadable = False
+        self.total, self.nonfinite = _Of(self, l2), _Of(self, count_nonfinite)
+
+    def holding(self) -> bool:
+        """Whether it still keeps the step's gradients alive (until the sender has read them)."""
+        return bool(self._groups)
+
+    def values(self) -> list[float]:
+        if self._values is None and not self.unreadable:
+            with torch.no_grad():
+                values = [v for n in norms(self._groups) for v in n.tolist()]
+            changed = self._probe._version != self._version
+            self._groups, self._probe = [], None  # let go of the gradients
+            if changed:
+                self.unreadable = True
+                self._on_changed("the gradients changed before the sender read them")
+            else:
+                self._values = values
+        if self.unreadable:  # for every value of the step, not only the first one asked for
+            raise Unavailable("the gradients changed before they were read")
+        return self._values
+
+
+class _Of:
+    """``fn`` of a :class:`SenderGradNorms`, as a lazy value (ready at once; read on the sender thread)."""
+
+    __slots__ = ("norms", "fn")
+
+    def __init__(self, norms: SenderGradNorms, fn: Callable[[list[float]], float]):
+        self.norms, self.fn = norms, fn
+
+    def done(self) -> bool:
+        return True
+
+    def item(self) -> float:
+        return self.fn(self.norms.values())
+
+
+class Handoff:
+    """The gradient sets handed to the sender that it has yet to read, bounded by ``KEEP_GRAD_BYTES``.
+
+    ``grad_bytes`` is one step's gradients. The sets are held by weak references: a point the
+    publisher dropped lets go of its gradients, and stops counting, when it is collected.
+    """
+
+    def __init__(self, grad_bytes: int):
+        self.grad_bytes = grad_bytes
+        self.unread: deque[weakref.ref] = deque()  # oldest first: the sender reads them in order
+        self.refused = 0  # steps whose norms the training thread computed because the bound was reached
+
+    def full(self) -> bool:
+        """Whether one more step's gradients would pass the bound (always room for two steps)."""
+        unread = self.unread
+        while unread and ((lazy := unread[0]()) is None or not lazy.holding()):  # read, or dropped
+            unread.popleft()
+        if len(unread) < 2 or (len(unread) + 1) * self.grad_bytes <= KEEP_GRAD_BYTES:
+            return False
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # log at 1, 2, 4, 8… such steps
+            log.warning("rankwatch: the sender thread has yet to read %d steps of gradients (%.0f MiB); "
+                        "gradient norms computed on the training thread meanwhile (%d steps so far)",
+                        len(unread), len(unread) * self.grad_bytes / 2**20, self.refused)
+        return True
+
+    def hand(self, groups: list[list[torch.Tensor]], probe: torch.Tensor, version: int,
+             on_changed: Callable[[str], None]) -> SenderGradNorms:
+        lazy = SenderGradNorms(groups, probe, version, on_changed)
+        self.unread.append(weakref.ref(lazy))
+        return lazy
