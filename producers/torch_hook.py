@@ -49,6 +49,7 @@ from producers.values import Derived, stage
 
 log = logging.getLogger(__name__)
 
+
 def _update_ratio(values: list[float]) -> float:
     half = len(values) // 2  # update norms, then weight norms
     return l2(values[:half]) / l2(values[half:])
