@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -24,6 +25,10 @@ log = logging.getLogger(__name__)
 #: two steps' worth), the training thread computes a step's gradient norms itself, so a sender that
 #: falls behind cannot make the gradients it has yet to read fill memory.
 KEEP_GRAD_BYTES = 256 << 20
+
+# Gradient tensors per fused norm call on the sender thread: making each result a Python object
+# holds the GIL, so a fast loop's hundred steps per wake-up are read in slices.
+_READ_AT_ONCE = 64
 
 
 def l2(values: list[float]) -> float:
@@ -53,7 +58,7 @@ def norms(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 
 
 class SenderGradNorms:
-    """A CPU model's per-tensor gradient norms, computed on the sender thread.
+    """A CPU model's per-tensor gradient norms for one step, computed on the sender thread.
 
     The training thread keeps only references to the step's gradient tensors. ``zero_grad()``
     (``set_to_none=True``, torch's default) replaces them rather than changing them, so the sender
@@ -67,31 +72,35 @@ class SenderGradNorms:
     zeroing) changes all of them. ``on_changed(why)`` is called, on the sender thread, when it did.
     """
 
-    def __init__(self, groups: list[list[torch.Tensor]], probe: torch.Tensor, version: int,
+    __slots__ = ("_handoff", "_grads", "_probe", "_version", "_on_changed", "_values", "total", "nonfinite",
+                 "__weakref__")
+
+    def __init__(self, handoff: Handoff, grads: list[torch.Tensor], probe: torch.Tensor, version: int,
                  on_changed: Callable[[str], None]):
-        self._groups, self._probe, self._version, self._on_changed = groups, probe, version, on_changed
+        self._handoff, self._grads, self._probe, self._version = handoff, grads, probe, version
+        self._on_changed = on_changed
         self._values: list[float] | None = None
-        self.unreadable = False
         self.total, self.nonfinite = _Of(self, l2), _Of(self, count_nonfinite)
 
     def holding(self) -> bool:
         """Whether it still keeps the step's gradients alive (until the sender has read them)."""
-        return bool(self._groups)
+        return self._grads is not None
 
     def values(self) -> list[float]:
-        if self._values is None and not self.unreadable:
-            with torch.no_grad():
-                values = [v for n in norms(self._groups) for v in n.tolist()]
-            changed = self._probe._version != self._version
-            self._groups, self._probe = [], None  # let go of the gradients
-            if changed:
-                self.unreadable = True
-                self._on_changed("the gradients changed before the sender read them")
-            else:
-                self._values = values
-        if self.unreadable:  # for every value of the step, not only the first one asked for
+        if self._grads is not None:
+            self._handoff.read()  # this step's and every other waiting step's, in one pass
+        if self._values is None:  # for every value of the step, not only the first one asked for
             raise Unavailable("the gradients changed before they were read")
         return self._values
+
+    def _settle(self, values: list[float]) -> None:
+        """Keep ``values`` (this step's norms, just computed) unless the gradients changed meanwhile."""
+        changed = self._probe._version != self._version
+        self._grads = self._probe = None  # let go of the gradients
+        if changed:
+            self._on_changed("the gradients changed before the sender read them")
+        else:
+            self._values = values
 
 
 class _Of:
@@ -112,21 +121,29 @@ class _Of:
 class Handoff:
     """The gradient sets handed to the sender that it has yet to read, bounded by ``KEEP_GRAD_BYTES``.
 
-    ``grad_bytes`` is one step's gradients. The sets are held by weak references: a point the
-    publisher dropped lets go of its gradients, and stops counting, when it is collected.
+    ``grad_bytes`` is one step's gradients. The sender reads every waiting set in one fused pass
+    (``read``): on a fast loop that is many steps per wake-up, and each call into torch costs the
+    sender a hand-back of the GIL, which the training thread then waits to take back. The sets are
+    held by weak references: a point the publisher dropped lets go of its gradients, and stops
+    counting, when it is collected.
     """
 
     def __init__(self, grad_bytes: int):
         self.grad_bytes = grad_bytes
-        self.unread: deque[weakref.ref] = deque()  # oldest first: the sender reads them in order
+        self.unread: deque[weakref.ref] = deque()  # oldest first; read ones are dropped lazily by full()
+        # Below this many sets nothing needs counting: ``full()`` is one len() on most steps.
+        self._fits = max(2, KEEP_GRAD_BYTES // max(grad_bytes, 1))
+        self._check_at = min(self._fits, 64)
         self.refused = 0  # steps whose norms the training thread computed because the bound was reached
 
     def full(self) -> bool:
         """Whether one more step's gradients would pass the bound (always room for two steps)."""
         unread = self.unread
+        if len(unread) < self._check_at:
+            return False
         while unread and ((lazy := unread[0]()) is None or not lazy.holding()):  # read, or dropped
             unread.popleft()
-        if len(unread) < 2 or (len(unread) + 1) * self.grad_bytes <= KEEP_GRAD_BYTES:
+        if len(unread) < self._fits:
             return False
         self.refused += 1
         if self.refused & (self.refused - 1) == 0:  # log at 1, 2, 4, 8… such steps
@@ -135,8 +152,26 @@ class Handoff:
                         len(unread), len(unread) * self.grad_bytes / 2**20, self.refused)
         return True
 
-    def hand(self, groups: list[list[torch.Tensor]], probe: torch.Tensor, version: int,
+    def hand(self, grads: list[torch.Tensor], probe: torch.Tensor, version: int,
              on_changed: Callable[[str], None]) -> SenderGradNorms:
-        lazy = SenderGradNorms(groups, probe, version, on_changed)
+        lazy = SenderGradNorms(self, grads, probe, version, on_changed)
         self.unread.append(weakref.ref(lazy))
         return lazy
+
+    def read(self) -> None:
+        """On the sender thread: the norms of every set still waiting, from one fused kernel."""
+        # list() of a deque copies it without running Python code, so the training thread cannot
+        # append to it meanwhile; read sets are left for full() to drop.
+        waiting = [lazy for ref in list(self.unread) if (lazy := ref()) is not None and lazy.holding()]
+        grads = [g for lazy in waiting for g in lazy._grads]
+        values: list[float] = []
+        with torch.no_grad():  # gradients made with create_graph=True would grow a graph
+            for at in range(0, len(grads), _READ_AT_ONCE):
+                if at:
+                    time.sleep(0)  # hand the GIL back between slices: the training thread never waits long
+                values += torch.stack(torch._foreach_norm(grads[at:at + _READ_AT_ONCE], 2.0)).tolist()
+        at = 0
+        for lazy in waiting:  # the version checks come after the reads: a change during one is caught
+            n = len(lazy._grads)
+            lazy._settle(values[at:at + n])
+            at += n

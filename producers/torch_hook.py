@@ -119,6 +119,7 @@ class TrainerHook:
         self._tokens: list[Any] = []
         # Parameter lists per (device, dtype) for the fused kernels; groups added later are not watched.
         self._groups = by_device(self._params())
+        self._flat = [p for group in self._groups for p in group]  # a CPU model's, for the sender (one pass)
         # On a CPU model: None until the first step showed that nothing changes the gradients between
         # before_step and after_step (a trainer that clips in between, in place).
         cpu = all(group[0].device.type == "cpu" for group in self._groups if group)
@@ -245,13 +246,12 @@ class TrainerHook:
         if self._grad_norm_on_sender is None:  # the first step: computed by before_step
             self._grad_norm_on_sender = True
             return
-        grads = [[g for p in group if (g := p.grad) is not None] for group in self._groups]
-        if kept:  # zeroed in place, perhaps before the sender could read them: read them now
-            self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
-            self._grad_stats_here(grads)
-        elif self._handoff.full():  # the sender is behind: keep no more gradients alive for it
-            self._grad_stats_here(grads)
+        if kept or self._handoff.full():  # kept: zeroed in place, perhaps before the sender could read them
+            if kept:  # full: the sender is behind, so no more gradients are kept alive for it
+                self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
+            self._grad_stats_here([[g for p in group if (g := p.grad) is not None] for group in self._groups])
         else:
+            grads = [g for p in self._flat if (g := p.grad) is not None]
             lazy = self._handoff.hand(grads, grad, version, self._grad_norm_on_training_thread)
             self._publish_grad_stats(lazy.total, lazy.nonfinite)
 

@@ -20,6 +20,7 @@ from conftest import DEVICES, consume_json
 import producers
 from producers import RankPublisher, TrainerHook, grad_norms
 from producers.grad_norms import count_nonfinite
+from producers.values import Unavailable
 from rankwatch import contract
 from rankwatch.contract import HEARTBEAT
 
@@ -251,8 +252,8 @@ def test_a_sender_that_falls_behind_keeps_a_bounded_number_of_steps_gradients_al
     torch.manual_seed(5)
     model, publisher = _net(), _Capture()  # a sender that reads nothing until values() is called
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monkeypatch.setattr(grad_norms, "KEEP_GRAD_BYTES", 3 * sum(p.numel() * 4 for p in model.parameters()))
     hook = TrainerHook(model, opt, publisher, weight_stats_every=0)
-    monkeypatch.setattr(grad_norms, "KEEP_GRAD_BYTES", 3 * hook._handoff.grad_bytes)
     expected = {}
 
     def step(n: int) -> None:
@@ -271,6 +272,24 @@ def test_a_sender_that_falls_behind_keeps_a_bounded_number_of_steps_gradients_al
     assert publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)  # the sender reads them now
     step(8)  # and the next step's gradients go to the sender again
     assert len(hook._handoff.unread) == 1 and publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_sender_reads_every_waiting_step_at_once_and_each_keeps_its_own_norms():
+    torch.manual_seed(6)
+    handoff, changed = grad_norms.Handoff(grad_bytes=1), []
+    steps = [[torch.randn(3, 4), torch.randn(5).to(torch.float64), torch.randn(2, 2)] for _ in range(40)]
+    handed = [handoff.hand(grads, grads[0], grads[0]._version, changed.append) for grads in steps]
+    steps[7][0].mul_(2.0)  # in place, before the sender read it: that step loses its values, and only it
+    assert handed[0].total.item() == pytest.approx(_total_norm(steps[0]))  # 120 tensors: two slices
+    assert not any(lazy.holding() for lazy in handed)  # the first value asked for read all of them
+    for n, lazy in enumerate(handed):
+        if n == 7:
+            with pytest.raises(Unavailable):
+                lazy.total.item()
+        else:
+            assert lazy.total.item() == pytest.approx(_total_norm(steps[n]), rel=1e-6)
+            assert lazy.nonfinite.item() == 0
+    assert changed == ["the gradients changed before the sender read them"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
