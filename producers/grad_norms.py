@@ -131,9 +131,8 @@ class Handoff:
     def __init__(self, grad_bytes: int):
         self.grad_bytes = grad_bytes
         self.unread: deque[weakref.ref] = deque()  # oldest first; read ones are dropped lazily by full()
-        # Below this many sets nothing needs counting: ``full()`` is one len() on most steps.
-        self._fits = max(2, KEEP_GRAD_BYTES // max(grad_bytes, 1))
-        self._check_at = min(self._fits, 64)
+        self._fits = max(2, KEEP_GRAD_BYTES // max(grad_bytes, 1))  # sets the bound allows
+        self._check_at = min(self._fits, 64)  # below this many, ``full()`` is one len(): most steps
         self.refused = 0  # steps whose norms the training thread computed because the bound was reached
 
     def full(self) -> bool:

@@ -246,8 +246,10 @@ class TrainerHook:
         if self._grad_norm_on_sender is None:  # the first step: computed by before_step
             self._grad_norm_on_sender = True
             return
-        if kept or self._handoff.full():  # kept: zeroed in place, perhaps before the sender could read them
-            if kept:  # full: the sender is behind, so no more gradients are kept alive for it
+        # Kept: zeroed in place next step, perhaps before the sender could read them. Full: the sender
+        # is behind, so no more gradients are kept alive for it. Either way they are read here.
+        if kept or self._handoff.full():
+            if kept:
                 self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
             self._grad_stats_here([[g for p in group if (g := p.grad) is not None] for group in self._groups])
         else:
