@@ -47,6 +47,9 @@ MODELS = {
     "small, batch 512": ((256, 512, 512, 10), 512),
     "medium": ((256, 1024, 1024, 10), 64),
 }
+# glibc's malloc settings that keep freed memory in the process: no trimming, no mmap per tensor.
+PINNED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+                    "MALLOC_TOP_PAD_": str(64 << 20)}
 CLIPPING = ("small", "medium")  # also timed with a loop that clips and hands the hook its result
 CONFIGS = {**{name: (name, False) for name in MODELS}, **{f"{m}, loop clips": (m, True) for m in CLIPPING}}
 
@@ -368,11 +371,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="MODEL",
                     help=f"the configurations to time (default all: {', '.join(map(repr, CONFIGS))})")
     ap.add_argument("--bootstrap", help="a running broker; default: start the embedded one")
+    ap.add_argument("--pinned-allocator", action="store_true",
+                    help="run with glibc's settings pinned so that freed memory stays in the process "
+                         "(no page faults from the allocator returning memory; see bench/step_cost_alone.py)")
     args = ap.parse_args(argv)
+    if args.pinned_allocator and any(os.environ.get(k) != v for k, v in PINNED_ALLOCATOR.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **PINNED_ALLOCATOR})  # read at start-up
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
+    pinned = " (glibc's allocator settings pinned)" if args.pinned_allocator else ""
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads 1, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}{pinned}")
     if args.bootstrap:
         section_step(args.bootstrap, args.step_seconds, None, args.linger_s, args.models)
     else:

@@ -36,13 +36,11 @@ import time
 import numpy as np
 import scipy.stats
 import torch
-from step_cost import MODELS, _Arm
+from step_cost import MODELS, PINNED_ALLOCATOR, _Arm
 
 from producers import RankPublisher
 from rankwatch.broker import EmbeddedBroker, free_port
 
-PINNED = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-          "MALLOC_TOP_PAD_": str(64 << 20)}
 _BLOCK_S, _SETTLE_S = 1.5, 0.6
 
 
@@ -116,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         try:
             for model in args.models:
-                for allocator, env in (("default", {}), ("pinned", PINNED)):
+                for allocator, env in (("default", {}), ("pinned", PINNED_ALLOCATOR)):
                     print(f"timing {model!r}, allocator {allocator} ({args.seconds:.0f} s)…", file=sys.stderr, flush=True)
                     out = subprocess.run([sys.executable, __file__, "--child", model, "--seconds", str(args.seconds),
                                           "--bootstrap", bootstrap], env={**os.environ, **env},
