@@ -30,13 +30,12 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
 import scipy.stats
 import torch
-from step_cost import MODELS, PINNED_ALLOCATOR, _Arm
+from step_cost import MODELS, PINNED_ALLOCATOR, _Arm, _Clocks
 
 from producers import RankPublisher
 from rankwatch.broker import EmbeddedBroker, free_port
@@ -44,16 +43,10 @@ from rankwatch.broker import EmbeddedBroker, free_port
 _BLOCK_S, _SETTLE_S = 1.5, 0.6
 
 
-def _blocked_s(tid: int, wall_s: float, run_ns: int, queued_ns: int) -> tuple[float, int, int]:
-    """Seconds since the last reading neither running nor queued for a core, and the new readings."""
-    run, queued, _ = map(int, open(f"/proc/self/task/{tid}/schedstat").read().split())
-    return wall_s - (run - run_ns + queued - queued_ns) / 1e9, run, queued
-
-
 def child(model: str, seconds: float, bootstrap: str) -> dict:
     """Alternate plain and hooked blocks of one model for ``seconds``; per-block means per step."""
     torch.set_num_threads(1)
-    arm, tid = _Arm(model), threading.get_native_id()
+    arm, clocks = _Arm(model), _Clocks()
     blocks: dict[str, list[tuple[float, float, float, int]]] = {"plain": [], "hook": []}  # cpu, faults, blocked, steps
     with tempfile.TemporaryDirectory() as spool:
         publisher = RankPublisher(run="step-cost-alone", rank=0, world_size=1, bootstrap=bootstrap, spool_dir=spool)
@@ -67,19 +60,19 @@ def child(model: str, seconds: float, bootstrap: str) -> dict:
             settled = time.perf_counter() + _SETTLE_S
             while time.perf_counter() < settled:
                 arm.step()
-            faults, cpu, wall = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time(), time.perf_counter()
-            _, run, queued = _blocked_s(tid, 0.0, 0, 0)
+            faults, (wall, cpu, queued) = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, clocks.read()
             steps = 0
             while time.perf_counter() < wall + _BLOCK_S:
                 arm.step()
                 steps += 1
-            blocked, _, _ = _blocked_s(tid, time.perf_counter() - wall, run, queued)
             faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
-            blocks[role].append(((time.thread_time() - cpu) / steps, faults / steps, blocked / steps, steps))
+            wall, cpu, queued = (now - then for now, then in zip(clocks.read(), (wall, cpu, queued)))
+            blocks[role].append((cpu / steps, faults / steps, (wall - cpu - queued) / steps, steps))
             if role == "hook":
                 step = arm.detach() or step
             block += 1
         publisher.close()
+    clocks.close()
     return blocks
 
 
