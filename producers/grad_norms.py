@@ -158,7 +158,7 @@ class Handoff:
         return lazy
 
     def read(self) -> None:
-        """On the sender thread: the norms of every set still waiting, from one fused kernel."""
+        """On the sender thread: the norms of every set still waiting, in fused calls of up to 64 tensors."""
         # list() of a deque copies it without running Python code, so the training thread cannot
         # append to it meanwhile; read sets are left for full() to drop.
         waiting = [lazy for ref in list(self.unread) if (lazy := ref()) is not None and lazy.holding()]
