@@ -21,6 +21,14 @@ Per step (names as published):
 - liveness: with each heartbeat, ``collective_wait_s`` (how long the rank has been blocked in an
   unfinished collective), so a run that stops can be told from the rank that stopped it.
 
+Every step publishes what the loop hands over: its loss, keyword metrics, stats dicts, a clipping
+loop's ``grad_norm`` and ``step_skipped``. What the hook measures itself (gradient statistics,
+``lr``, weight statistics, times) it measures every ``every`` steps. By default (``every=None``)
+that is every step where that costs the training thread little, and on fast loops every 2nd to
+64th step, so that the measured steps' callbacks take under 0.2% of the training time
+(``producers.stride``). A measured step's times are per-step means since the previous one
+(``steps_per_point`` says over how many steps); 0.2 s after a measured step, the next is measured.
+
 The training thread only launches fused per-tensor norm kernels (``torch._foreach_norm``, as
 ``clip_grad_norm_`` does); global norms, ratios, counts and means are computed from their host
 copies on the publisher's sender thread (``producers.values.Derived``), so the training thread
@@ -44,10 +52,12 @@ import torch
 from producers.collectives import CollectiveTimer
 from producers.grad_norms import Handoff, by_device, count_nonfinite, l2, norms
 from producers.publisher import RankPublisher
+from producers.stride import MAX_EVERY, MAX_GAP_S, Stride
 from producers.system import CudaMemorySampler
 from producers.values import Derived, stage
 
 log = logging.getLogger(__name__)
+
 
 
 def _update_ratio(values: list[float]) -> float:
@@ -85,6 +95,7 @@ class TrainerHook:
             optimizer.step()                         # the hook publishes here
             optimizer.zero_grad()
 
+    ``every`` fixes the stride (``every=1``: measure every step); ``hook.every`` is the current one.
     With a ``GradScaler``, pass ``scaler=``: the step then ends at ``scaler.update()``, which also
     tells whether the step was skipped. With ``attach=False`` nothing is hooked into the optimizer
     and the caller (the trainer adapters) calls ``before_step()``, ``after_step()`` and ``end_step()``.
@@ -103,14 +114,25 @@ class TrainerHook:
         scaler: Any = None,
         time_collectives: bool = True,
         publish_grad_norm: bool = True,
+        every: int | None = None,
         attach: bool = True,
     ):
         if weight_stats_every < 0:
             raise ValueError(f"weight_stats_every must be >= 0 (0 = never), got {weight_stats_every}")
+        if every is not None and not 1 <= every <= MAX_EVERY:
+            raise ValueError(f"every must be None (adaptive) or 1..{MAX_EVERY}, got {every}")
         self.model, self.optimizer, self.publisher = model, optimizer, publisher
         self.step = start_step
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         self.weight_stats_every = weight_stats_every
+        self._weights_at = -(-start_step // weight_stats_every) * weight_stats_every if weight_stats_every else 0
+        # Steps per published point: fixed by ``every``, else adapted (see ``_adapt``). Published steps
+        # are multiples of it, so ranks with the same stride (or a power of two apart) share steps.
+        self.every, self._stride = every or 1, None if every else Stride()
+        self._due = -(-start_step // self.every) * self.every  # the next step published in full
+        self._between = 0  # steps since the last published one
+        self._spent = 0.0  # seconds in this measured step's callbacks so far
+        self._weighed = False  # whether this measured step took the weight statistics
         self.scaler = scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: False)() else None
         self.publish_grad_norm = publish_grad_norm
         self._metrics: dict[str, Any] = {}
@@ -150,8 +172,11 @@ class TrainerHook:
         if self._on_cuda:
             publisher.add_sampler(CudaMemorySampler(device))
 
+        # Attached, the pre-hook is registered only for the steps measured (``_arm``): every callback
+        # costs the training thread microseconds, even one that returns at once.
+        self._attached, self._pre = attach, None
         if attach:
-            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.before_step()))
+            self._arm()
             if self.scaler is None:
                 self._handles.append(optimizer.register_step_post_hook(lambda *_: self._after_and_end()))
             else:
@@ -166,9 +191,9 @@ class TrainerHook:
         ``samples`` / ``tokens`` (ints or tensors) add up over the step's micro-batches, for
         ``samples_per_s`` / ``tokens_per_s``; they override the constructor's per-step counts.
         """
-        # Not detached: the sender reads it within about 0.1 s, and detach() would cost the training
-        # thread more than the rest of this call.
-        self._losses.append(loss if isinstance(loss, torch.Tensor) else float(loss))
+        # Not detached, not even checked: the sender reads it within about 0.1 s (a value that is not a
+        # number is counted there as invalid), and either would cost more than the rest of this call.
+        self._losses.append(loss)
         if samples is not None:
             self._samples.append(samples)
         if tokens is not None:
@@ -195,13 +220,13 @@ class TrainerHook:
 
     def detach(self) -> None:
         """Remove the optimizer hooks, the scaler wrapper and the collective timer."""
-        for handle in self._handles:
+        for handle in [*self._handles, *([self._pre] if self._pre else [])]:
             handle.remove()
         for restore in self._restore:
             restore()
         if self._timer is not None:
             self._timer.stop()
-        self._handles, self._restore = [], []
+        self._handles, self._restore, self._pre, self._attached = [], [], None, False
 
     # -- step boundaries (hooked into the optimizer, or called by an adapter) --------------------
 
@@ -212,15 +237,21 @@ class TrainerHook:
         # CPU model only one gradient is read here, with its version; the rest are gathered after
         # the update (``_grads_to_sender``), where that version shows whether anything changed
         # them in between.
+        if self.step < self._due:
+            return  # a step between measured ones (see ``every``)
+        began = time.perf_counter()
         if "grad_norm" not in self._metrics:  # else it is the caller's clip_grad_norm_ result: no second pass
             probe = None if self._grad_norm_on_sender is False else self._probe_param.grad
             if probe is not None:
                 self._probe = (probe, probe._version)
             if probe is None or self._grad_norm_on_sender is None:
                 self._grad_stats_here([[g for p in group if (g := p.grad) is not None] for group in self._groups])
-        if self.weight_stats_every and self.step % self.weight_stats_every == 0:
+        if self.weight_stats_every and self.step >= self._weights_at:
+            self._weights_at = (self.step // self.weight_stats_every + 1) * self.weight_stats_every
+            self._weighed = True  # a costly step, but a periodic one of its own: not the stride's business
             with torch.no_grad():  # only where needed: entering no_grad costs tens of µs after a backward pass
                 self._snapshot = [torch._foreach_mul(group, 1.0) for group in self._groups]  # fused copies
+        self._spent += time.perf_counter() - began
 
     def _grad_stats_here(self, grads: list[list[torch.Tensor]]) -> None:
         """The step's gradient statistics from one fused per-tensor norm launched on this thread.
@@ -264,6 +295,9 @@ class TrainerHook:
 
     def after_step(self) -> None:
         """Just after the update: learning rate, and the weight statistics when a snapshot was taken."""
+        if self.step < self._due:
+            return
+        began = time.perf_counter()
         if self._probe is not None:  # a CPU model's gradients, marked by before_step
             probe, self._probe = self._probe, None
             self._grads_to_sender(*probe)
@@ -280,46 +314,74 @@ class TrainerHook:
                 self._metrics["param_norm"] = Derived(l2, weights)
                 self._metrics["update_ratio"] = Derived(_update_ratio, norms(self._snapshot) + weights)
             self._snapshot = None
+        self._spent += time.perf_counter() - began
 
     def end_step(self, step: int | None = None, *, skipped: Any = None) -> None:
         """Publish this step's point (at ``step`` if given, else the hook's own counter) and start the next."""
-        now = time.perf_counter()
-        metrics, self._metrics = self._metrics, {}
         if step is not None:
             self.step = step
+        if self.step < self._due:  # between measured steps: what the loop handed over, at this step
+            point, self._metrics = self._metrics, {}
+            if losses := self._losses:
+                point["loss"] = losses[0] if len(losses) == 1 else Derived(_mean, losses)
+                self._losses = []
+            if skipped is not None:
+                point["step_skipped"] = skipped
+            if point:
+                self.publisher.log(stage(point) if self._on_cuda else point, self.step)
+            self._between += 1
+            self.step += 1
+            if self._last_end is not None and time.perf_counter() - self._last_end > MAX_GAP_S:
+                self._due = self.step  # the loop slowed down: the next step is measured
+            if self._attached and self.step >= self._due:
+                self._arm()
+            return
+        now = time.perf_counter()
+        metrics, self._metrics = self._metrics, {}
+        steps, self._between = self._between + 1, 0  # the steps this point's times cover
+        if steps > 1:
+            metrics["steps_per_point"] = steps
         if losses := self._losses:
             metrics["loss"] = losses[0] if len(losses) == 1 else Derived(_mean, losses)
             self._losses = []
         if skipped is not None:
             metrics["step_skipped"] = skipped
+        # Times are per step: the totals since the last published step over its steps.
         last, self._last_end = self._last_end, now
         if last is not None:
-            elapsed = metrics["step_time_s"] = now - last
+            elapsed = now - last
+            metrics["step_time_s"] = elapsed / steps
             if self._samples:  # ints or tensors, summed on the sender
                 metrics["samples_per_s"] = Derived(lambda v, e=elapsed: math.fsum(v) / e, self._samples)
             elif self.samples_per_step is not None:
-                metrics["samples_per_s"] = self.samples_per_step / elapsed
+                metrics["samples_per_s"] = self.samples_per_step * steps / elapsed
             if self._tokens:
                 metrics["tokens_per_s"] = Derived(lambda v, e=elapsed: math.fsum(v) / e, self._tokens)
             elif self.tokens_per_step is not None:
-                metrics["tokens_per_s"] = self.tokens_per_step / elapsed
+                metrics["tokens_per_s"] = self.tokens_per_step * steps / elapsed
         waited = collective = 0.0
         if self._data_wait is not None:
-            metrics["data_wait_s"] = waited = self._data_wait
+            metrics["data_wait_s"] = waited = self._data_wait / steps
             self._data_wait = 0.0
         if self._timer is not None:
-            metrics["collective_time_s"] = collective = self._timer.take()
+            metrics["collective_time_s"] = collective = self._timer.take(steps)
         if last is not None:
             left = metrics["step_time_s"] - waited
             metrics["compute_time_s"] = (max(0.0, left - collective) if isinstance(collective, float)
                                          else _Remainder(left, collective))
         if metrics:
             self.publisher.log(stage(metrics) if self._on_cuda else metrics, self.step)
-        self.step += 1
         if self._samples:  # a fresh list only when one was used: every object made here costs
             self._samples = []
         if self._tokens:
             self._tokens = []
+        self.step += 1
+        if self._stride is not None and last is not None and not self._weighed:
+            self.every = self._stride.update(self._spent + time.perf_counter() - now, elapsed / steps)
+        self._spent, self._weighed = 0.0, False
+        self._due = -(-self.step // self.every) * self.every
+        if self._attached and self.step >= self._due:
+            self._arm()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -330,6 +392,17 @@ class TrainerHook:
         if self._grad_norm_on_sender is not False:
             self._grad_norm_on_sender = False
             log.info("rankwatch: %s: grad_norm is computed on the training thread from now on", why)
+
+    def _arm(self) -> None:
+        """Hook ``before_step`` into the next optimizer step (it stays while every step is measured)."""
+        if self._pre is None:
+            self._pre = self.optimizer.register_step_pre_hook(self._pre_hook)
+
+    def _pre_hook(self, *_: Any) -> None:
+        if self.every > 1 and self._pre is not None:
+            self._pre.remove()
+            self._pre = None
+        self.before_step()
 
     def _after_and_end(self) -> None:
         self.after_step()

@@ -43,7 +43,7 @@ def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id
     )
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap)
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(),
-                      callbacks=[RankwatchCallback(publisher, weight_stats_every=1)])
+                      callbacks=[RankwatchCallback(publisher, weight_stats_every=1, every=1)])
     trainer.train()
     publisher.close()
     stats = publisher.stats()
@@ -107,7 +107,7 @@ def test_lightning_trainer_publishes_every_optimizer_step(bootstrap, run_id, dev
     trainer = L.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=STEPS, enable_checkpointing=False,
         logger=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.01,
-        callbacks=[RankwatchCallback(publisher)],
+        callbacks=[RankwatchCallback(publisher, every=1)],
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
     publisher.close()

@@ -80,7 +80,7 @@ def test_published_values_equal_what_the_loop_computed(bootstrap, run_id, device
     opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 1e-3}], lr=0.05)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap)
-    hook = TrainerHook(model, opt, publisher, samples_per_step=32, weight_stats_every=2)
+    hook = TrainerHook(model, opt, publisher, samples_per_step=32, weight_stats_every=2, every=1)
     batches = [torch.randn(32, 6) for _ in range(6)]
     batches[4][0, 0] = float("nan")
     with _device_waits_in_rankwatch(device) as waits:  # the detector works: a CUDA value read in our code
@@ -151,7 +151,7 @@ def test_grad_norm_is_right_whether_the_loop_replaces_or_zeroes_its_gradients(bo
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
-    hook = TrainerHook(model, opt, publisher, weight_stats_every=0)
+    hook = TrainerHook(model, opt, publisher, weight_stats_every=0, every=1)
     expected = {}
     for step in range(6):
         model(torch.randn(8, 6)).pow(2).mean().backward()
@@ -188,7 +188,7 @@ class _Capture:
 def test_a_step_whose_gradients_change_before_the_sender_reads_them_publishes_neither_gradient_value():
     model, publisher = _net(), _Capture()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    TrainerHook(model, opt, publisher, weight_stats_every=0)
+    TrainerHook(model, opt, publisher, weight_stats_every=0, every=1)
     for _ in range(2):  # the first step is the probe, on the training thread; the second goes to the sender
         opt.zero_grad(set_to_none=True)
         model(torch.randn(8, 6)).pow(2).mean().backward()
@@ -219,7 +219,7 @@ def test_an_optimizer_that_changes_the_gradients_never_gets_a_wrong_grad_norm():
     torch.manual_seed(3)
     model, publisher = _net(), _Capture()
     opt = _ShrinkingSGD(model.parameters(), lr=0.01)
-    hook = TrainerHook(model, opt, publisher, weight_stats_every=0)
+    hook = TrainerHook(model, opt, publisher, weight_stats_every=0, every=1)
     expected = {}
     for step in range(4):
         opt.zero_grad(set_to_none=True)
@@ -235,7 +235,7 @@ def test_grad_norm_is_published_on_a_step_where_the_watched_parameter_has_no_gra
     torch.manual_seed(4)
     model, publisher = _net(), _Capture()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    hook = TrainerHook(model, opt, publisher, weight_stats_every=0)
+    hook = TrainerHook(model, opt, publisher, weight_stats_every=0, every=1)
     first, last = model[0], model[2]
     expected = {}
     for step in range(4):
@@ -253,7 +253,7 @@ def test_a_sender_that_falls_behind_keeps_a_bounded_number_of_steps_gradients_al
     model, publisher = _net(), _Capture()  # a sender that reads nothing until values() is called
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monkeypatch.setattr(grad_norms, "KEEP_GRAD_BYTES", 3 * sum(p.numel() * 4 for p in model.parameters()))
-    hook = TrainerHook(model, opt, publisher, weight_stats_every=0)
+    hook = TrainerHook(model, opt, publisher, weight_stats_every=0, every=1)
     expected = {}
 
     def step(n: int) -> None:
@@ -339,7 +339,7 @@ def test_a_grad_scaler_skipped_step_is_reported(bootstrap, run_id, device):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler(device, init_scale=16.0)
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
-    hook = TrainerHook(model, opt, publisher, scaler=scaler)
+    hook = TrainerHook(model, opt, publisher, scaler=scaler, every=1)
     for step in range(4):
         x = torch.randn(8, 4, device=device)
         if step == 2:
@@ -393,7 +393,7 @@ def _rank_main(rank: int, port: int, bootstrap: str, run: str, results, device: 
     publisher = RankPublisher.from_env(samplers=[], heartbeat_s=0.3)
     model = torch.nn.parallel.DistributedDataParallel(_net().to(device))  # gloo takes CUDA tensors too
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    hook = TrainerHook(model, opt, publisher)
+    hook = TrainerHook(model, opt, publisher, every=1)  # the times of every step
     for step in range(4):
         loss = model(torch.randn(16, 6, device=device)).pow(2).mean()
         opt.zero_grad()
