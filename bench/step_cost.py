@@ -33,7 +33,7 @@ import numpy as np
 import scipy.stats
 import torch
 
-from producers import RankPublisher, TrainerHook
+from producers import RankPublisher, TrainerHook, torch_hook
 from rankwatch.broker import EmbeddedBroker, free_port
 
 # (layer widths, batch) of the MLPs timed, on one torch thread. The hook's cost per
@@ -76,9 +76,10 @@ class _Arm:
         self.publisher: RankPublisher | None = None
         self.hook: TrainerHook | None = None
 
-    def attach(self, publisher: RankPublisher, step: int = 1) -> None:
+    def attach(self, publisher: RankPublisher, step: int = 1, every: int | None = None) -> None:
         self.publisher = publisher
-        self.hook = TrainerHook(self.model, self.opt, publisher, start_step=step, samples_per_step=self.batch)
+        self.hook = TrainerHook(self.model, self.opt, publisher, start_step=step, samples_per_step=self.batch,
+                                every=every)
 
     def detach(self) -> int | None:
         """Take the hook off; returns its next step, for the next hook to go on from."""
@@ -167,14 +168,28 @@ class _Clocks:
         os.close(self._fd)
 
 
+def _stride(arm: _Arm, publisher: RankPublisher, seconds: float) -> int:
+    """The stride the hook chooses by itself (``every=None``) on ``arm`` stepping alone."""
+    arm.attach(publisher)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or arm.hook.step < 200:
+        arm.step()
+    every = arm.hook.every
+    arm.detach()
+    return every
+
+
 def _rounds(arms: list[_Arm], publisher: RankPublisher, seconds: float, min_rounds: int,
-            rng) -> tuple[np.ndarray, np.ndarray]:
+            rng, every: int) -> tuple[np.ndarray, np.ndarray]:
     """Rounds of one step per arm, in a fresh random order each round, for about ``seconds``.
 
     The arms' roles (plain, plain again, hooked: a hook publishing to ``publisher``) change every 10
     rounds, through every assignment in turn and stopping after whole turns, so that no copy's
     own speed (where its tensors landed in memory) favours a role; the hook's step count goes on,
-    so weight statistics keep their period. Returns wall and training-thread CPU seconds per step,
+    so weight statistics keep their period; it measures every ``every`` steps (the stride it chose
+    alone, fixed, as a hook attached afresh every 10 steps would start at 1; and with no 0.2 s rule,
+    as the other copies' steps triple the hooked copy's time between its steps). Returns wall and
+    training-thread CPU seconds per step,
     shape (role, rounds).
     """
     wall, cpu, step = [], [], 1
@@ -187,7 +202,7 @@ def _rounds(arms: list[_Arm], publisher: RankPublisher, seconds: float, min_roun
             roles = assignments[len(wall) // _ROLE_ROUNDS % len(assignments)]
             for arm in arms:
                 step = arm.detach() or step
-            arms[roles[-1]].attach(publisher, step)
+            arms[roles[-1]].attach(publisher, step, every)
         w, c = [0.0] * len(arms), [0.0] * len(arms)
         for k in rng.permutation(len(arms)):
             c0, t0 = thread_clock(), clock()
@@ -269,7 +284,9 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
     print(f"TrainerHook publishing to the embedded broker (publisher linger_s={linger:g}). 'loop clips': the")
     print("loop calls clip_grad_norm_ and passes its result, set_loss(loss, grad_norm=total), so the hook")
     print("skips its own pass over the gradients. Times are the training thread's CPU time (immune to")
-    print("other jobs taking the core) unless a column says wall.\n")
+    print("other jobs taking the core) unless a column says wall. The hook measures (gradient norms, lr,")
+    print("times) every `every` steps and publishes the loss of every step: `every` is the stride it chose")
+    print("by itself (every=None) while the three copies stepped in turn, then held for the timing.\n")
     rng = np.random.default_rng(0)
     budget_rows, paired_rows, verdict_rows, callback_rows = [], [], [], []
     for label in configs:
@@ -285,13 +302,18 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
             arm.detach()
         pub.flush()
         publisher_tids = set(os.listdir("/proc/self/task")) - own  # its sender thread
+        every = _stride(arms[2], pub, max(2.0, seconds / 10))
         gc.collect()
-        wall, cpu = _rounds(arms, pub, seconds, 120, rng)
+        torch_hook.MAX_GAP_S, gap = float("inf"), torch_hook.MAX_GAP_S
+        try:
+            wall, cpu = _rounds(arms, pub, seconds, 120, rng, every)
+        finally:
+            torch_hook.MAX_GAP_S = gap
 
         # The hooked copy alone, as in training: its callbacks' time on the training thread, the
         # training thread's waits for the GIL, and the publisher's threads' CPU time. A timed no-op
         # after each step measures what the timer adds, with the caches as a step leaves them.
-        arms[2].attach(pub)
+        arms[2].attach(pub, every=every)
         spent, timer = _time_callbacks(arms[2].hook), [0.0]
         hooked = _alone(arms[2], seconds / 4, {"broker": broker_pid, "shipper": pub.shipper_pid},
                         _timed(lambda: None, timer))
@@ -309,7 +331,7 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
         broker = f"{hooked['others']['broker'] / steps / 1e3:.0f}" if broker_pid else "not ours"
         shipper = hooked["others"]["shipper"] / steps / 1e9
         params = sum(p.numel() for p in arms[0].model.parameters())
-        budget_rows.append(f"| {label} | {params:,} | {plain * 1e3:.3f} | {in_hook * 1e6:.1f} | {gil * 1e6:.1f} "
+        budget_rows.append(f"| {label} | {params:,} | {every} | {plain * 1e3:.3f} | {in_hook * 1e6:.1f} | {gil * 1e6:.1f} "
                            f"| {control_gil * 1e6:.1f} | {hooked['faults']:.0f} | {control['faults']:.0f} "
                            f"| {sender * 1e6:.1f} | {shipper * 1e6:.1f} | {broker} |")
         paired_rows.append(f"| {label} | {wall.shape[1]:,} | {np.median(wall[0]) * 1e3:.3f} | "
@@ -340,10 +362,10 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
     print("the hook keeps a step's gradients until the sender has read them, which changes when that")
     print("happens), with the same control; CPU time of the publisher's sender thread, of its shipper")
     print("process (the Kafka client) and of the broker, which on a cluster runs on another machine.\n")
-    print("| model | params | plain step CPU (ms) | in hook callbacks, CPU (µs) | GIL wait (µs) "
+    print("| model | params | every | plain step CPU (ms) | in hook callbacks, CPU (µs) | GIL wait (µs) "
           "| GIL wait, control (µs) | page faults | page faults, control | sender thread, CPU (µs) "
           "| shipper process, CPU (µs) | broker CPU (µs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(budget_rows))
     print("\nThe callbacks one by one (µs of CPU per step; before_step holds the pass over the gradients,")
     print(f"before_step and after_step also the weight statistics every {TrainerHook.__init__.__kwdefaults__['weight_stats_every']} steps):\n")
