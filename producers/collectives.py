@@ -56,24 +56,31 @@ def busy_time(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-class _DeviceTimed:
-    """Busy time with device-timed spans, per step: a lazy value (``done()`` / ``item()``) for the publisher.
+class _CudaSpans:
+    """Device-timed spans of one step: a lazy value (``done()`` / ``item()``) for the publisher."""
 
-    ``host_s`` is the busy time of the host-timed spans of the same steps: the two add up.
-    """
-
-    __slots__ = ("_pairs", "_host_s", "_steps")
-
-    def __init__(self, pairs: list[tuple[Any, Any]], host_s: float, steps: int):
-        self._pairs, self._host_s, self._steps = pairs, host_s, steps
+    def __init__(self, pairs: list[tuple[Any, Any]]):
+        self._pairs = pairs
 
     def done(self) -> bool:
         return all(end.query() for _, end in self._pairs)
 
     def item(self) -> float:
         ref = self._pairs[0][0]
-        cuda_s = busy_time([(ref.elapsed_time(s) / 1e3, ref.elapsed_time(e) / 1e3) for s, e in self._pairs])
-        return (self._host_s + cuda_s) / self._steps
+        return busy_time([(ref.elapsed_time(s) / 1e3, ref.elapsed_time(e) / 1e3) for s, e in self._pairs])
+
+
+class _HostAndCuda:
+    """A step that had both host- and device-timed collectives: their times add up."""
+
+    def __init__(self, host_s: float, cuda: _CudaSpans):
+        self._host_s, self._cuda = host_s, cuda
+
+    def done(self) -> bool:
+        return self._cuda.done()
+
+    def item(self) -> float:
+        return self._host_s + self._cuda.item()
 
 
 class CollectiveTimer:
@@ -131,13 +138,14 @@ class CollectiveTimer:
         """A heartbeat sampler (``RankPublisher.add_sampler``): ``collective_wait_s``."""
         return {COLLECTIVE_WAIT: self.waiting_s()}
 
-    def take(self, steps: int = 1) -> float | _DeviceTimed:
-        """Busy time since the previous call, per step over ``steps`` steps: a float, or a lazy value
-        when CUDA events are involved."""
+    def take(self) -> float | _CudaSpans | _HostAndCuda:
+        """Busy time since the previous call: a float, or a lazy value when CUDA events are involved."""
         host = [self._host.popleft() for _ in range(len(self._host))]
         cuda = [self._cuda.popleft() for _ in range(len(self._cuda))]
         host_s = busy_time(host)
-        return _DeviceTimed(cuda, host_s, steps) if cuda else host_s / steps
+        if not cuda:
+            return host_s
+        return _HostAndCuda(host_s, _CudaSpans(cuda)) if host else _CudaSpans(cuda)
 
     def start(self) -> None:
         """Receive the spans of the wrapped torch.distributed functions (installing them once)."""

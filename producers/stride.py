@@ -1,19 +1,20 @@
-"""How many training steps one of ``TrainerHook``'s measured points covers, chosen from what it costs.
+"""How many training steps apart ``TrainerHook`` measures gradient statistics, chosen from their cost.
 
-A measured step runs some Python on the training thread right after the optimizer, when the
-caches are cold: about 40 µs on a tiny model and 100–200 µs on a larger one on a small VM. On a
-25 ms step that is well under 1%; on a 1 ms step it is 5–10%. So on fast loops the hook measures
-(gradient norms, learning rate, times) every few steps, while every step still publishes what the
-loop hands over (its loss, metrics and stats). Strides are powers of two and measured steps their
-multiples, so ranks with the same stride, or strides a power of two apart, measure the same steps.
+Measuring a step (gathering its gradients for the sender thread, the learning rate, the weight
+statistics) runs some Python on the training thread right after the optimizer, when the caches are
+cold: 20 µs on a tiny model, about 100 µs on a larger one on a small VM. On a 25 ms step that is
+well under 1%; on a 1 ms step it is several percent. So on fast loops the hook measures every few
+steps, while every step still publishes its loss, the loop's metrics and its times. Strides are
+powers of two and measured steps their multiples, so ranks with the same stride, or strides a
+power of two apart, measure the same steps.
 """
 
 from __future__ import annotations
 
-#: The share of the training thread's time that measured steps may take (their callbacks). What the
-#: hook costs beyond them (the steps in between, the GIL, caches) takes about as much again.
+#: The share of the training thread's time that measuring may take, as the hook times it. Its
+#: indirect costs (caches, the GIL the sender thread holds meanwhile) take about as much again.
 COST_BUDGET = 0.002
-MAX_EVERY = 64  # the most steps one measured point covers
+MAX_EVERY = 64  # the most steps from one measured step to the next
 MAX_GAP_S = 0.2  # ... and the longest between two of them; the stride grows only while half this holds
 
 
@@ -32,7 +33,7 @@ class Stride:
         self.cost_s: float | None = None  # a moving average: one slow step (a GC pause) moves it little
 
     def update(self, cost_s: float, step_s: float) -> int:
-        """The stride after a measured step that cost ``cost_s`` of a ``step_s``-long step (per step)."""
+        """The stride after a measured step whose measuring cost ``cost_s`` of a ``step_s``-long step."""
         self.cost_s = cost_s if self.cost_s is None else self.cost_s + 0.2 * (cost_s - self.cost_s)
         need, every = self.cost_s / (COST_BUDGET * max(step_s, 1e-9)), 1
         while every < need and every < MAX_EVERY and 4 * every * step_s <= MAX_GAP_S:

@@ -21,13 +21,11 @@ Per step (names as published):
 - liveness: with each heartbeat, ``collective_wait_s`` (how long the rank has been blocked in an
   unfinished collective), so a run that stops can be told from the rank that stopped it.
 
-Every step publishes what the loop hands over: its loss, keyword metrics, stats dicts, a clipping
-loop's ``grad_norm`` and ``step_skipped``. What the hook measures itself (gradient statistics,
-``lr``, weight statistics, times) it measures every ``every`` steps. By default (``every=None``)
-that is every step where that costs the training thread little, and on fast loops every 2nd to
-64th step, so that the measured steps' callbacks take under 0.2% of the training time
-(``producers.stride``). A measured step's times are per-step means since the previous one
-(``steps_per_point`` says over how many steps); 0.2 s after a measured step, the next is measured.
+Every step publishes the loss, the loop's own metrics and stats, and the step's times. Gradient
+statistics, ``lr`` and the weight statistics are measured every ``every`` steps. By default
+(``every=None``) that is every step where it costs the training thread little, and on fast loops
+every 2nd to 64th step, so that measuring takes under 0.2% of the training time
+(``producers.stride``); 0.2 s after a measured step, the next one is measured whatever the stride.
 
 The training thread only launches fused per-tensor norm kernels (``torch._foreach_norm``, as
 ``clip_grad_norm_`` does); global norms, ratios, counts and means are computed from their host
@@ -85,7 +83,7 @@ class _Remainder:
 
 
 class TrainerHook:
-    """Publishes one point per optimizer step. Usage::
+    """Publishes one point per optimizer step; gradient statistics every ``every`` steps. Usage::
 
         hook = TrainerHook(model, optimizer, publisher, samples_per_step=batch_size)
         for batch in hook.wrap_loader(loader):      # optional: measures data-loader wait
@@ -130,7 +128,7 @@ class TrainerHook:
         # are multiples of it, so ranks with the same stride (or a power of two apart) share steps.
         self.every, self._stride = every or 1, None if every else Stride()
         self._due = -(-start_step // self.every) * self.every  # the next step published in full
-        self._between = 0  # steps since the last published one
+        self._measured_at = 0.0  # when the last measured step ended
         self._spent = 0.0  # seconds in this measured step's callbacks so far
         self._weighed = False  # whether this measured step took the weight statistics
         self.scaler = scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: False)() else None
@@ -318,68 +316,50 @@ class TrainerHook:
 
     def end_step(self, step: int | None = None, *, skipped: Any = None) -> None:
         """Publish this step's point (at ``step`` if given, else the hook's own counter) and start the next."""
-        if step is not None:
-            self.step = step
-        if self.step < self._due:  # between measured steps: what the loop handed over, at this step
-            point, self._metrics = self._metrics, {}
-            if losses := self._losses:
-                point["loss"] = losses[0] if len(losses) == 1 else Derived(_mean, losses)
-                self._losses = []
-            if skipped is not None:
-                point["step_skipped"] = skipped
-            if point:
-                self.publisher.log(stage(point) if self._on_cuda else point, self.step)
-            self._between += 1
-            self.step += 1
-            if self._last_end is not None and time.perf_counter() - self._last_end > MAX_GAP_S:
-                self._due = self.step  # the loop slowed down: the next step is measured
-            if self._attached and self.step >= self._due:
-                self._arm()
-            return
         now = time.perf_counter()
         metrics, self._metrics = self._metrics, {}
-        steps, self._between = self._between + 1, 0  # the steps this point's times cover
-        if steps > 1:
-            metrics["steps_per_point"] = steps
+        if step is not None:
+            self.step = step
         if losses := self._losses:
             metrics["loss"] = losses[0] if len(losses) == 1 else Derived(_mean, losses)
             self._losses = []
         if skipped is not None:
             metrics["step_skipped"] = skipped
-        # Times are per step: the totals since the last published step over its steps.
         last, self._last_end = self._last_end, now
         if last is not None:
-            elapsed = now - last
-            metrics["step_time_s"] = elapsed / steps
+            elapsed = metrics["step_time_s"] = now - last
             if self._samples:  # ints or tensors, summed on the sender
                 metrics["samples_per_s"] = Derived(lambda v, e=elapsed: math.fsum(v) / e, self._samples)
             elif self.samples_per_step is not None:
-                metrics["samples_per_s"] = self.samples_per_step * steps / elapsed
+                metrics["samples_per_s"] = self.samples_per_step / elapsed
             if self._tokens:
                 metrics["tokens_per_s"] = Derived(lambda v, e=elapsed: math.fsum(v) / e, self._tokens)
             elif self.tokens_per_step is not None:
-                metrics["tokens_per_s"] = self.tokens_per_step * steps / elapsed
+                metrics["tokens_per_s"] = self.tokens_per_step / elapsed
         waited = collective = 0.0
         if self._data_wait is not None:
-            metrics["data_wait_s"] = waited = self._data_wait / steps
+            metrics["data_wait_s"] = waited = self._data_wait
             self._data_wait = 0.0
         if self._timer is not None:
-            metrics["collective_time_s"] = collective = self._timer.take(steps)
+            metrics["collective_time_s"] = collective = self._timer.take()
         if last is not None:
             left = metrics["step_time_s"] - waited
             metrics["compute_time_s"] = (max(0.0, left - collective) if isinstance(collective, float)
                                          else _Remainder(left, collective))
         if metrics:
             self.publisher.log(stage(metrics) if self._on_cuda else metrics, self.step)
+        self.step += 1
         if self._samples:  # a fresh list only when one was used: every object made here costs
             self._samples = []
         if self._tokens:
             self._tokens = []
-        self.step += 1
-        if self._stride is not None and last is not None and not self._weighed:
-            self.every = self._stride.update(self._spent + time.perf_counter() - now, elapsed / steps)
-        self._spent, self._weighed = 0.0, False
-        self._due = -(-self.step // self.every) * self.every
+        if self.step > self._due:  # this step was measured: when is the next one?
+            if self._stride is not None and last is not None and not self._weighed:
+                self.every = self._stride.update(self._spent, elapsed)
+            self._spent, self._weighed, self._measured_at = 0.0, False, now
+            self._due = -(-self.step // self.every) * self.every
+        elif now - self._measured_at > MAX_GAP_S:
+            self._due = self.step  # the loop slowed down: the next step is measured
         if self._attached and self.step >= self._due:
             self._arm()
 

@@ -393,7 +393,7 @@ def _rank_main(rank: int, port: int, bootstrap: str, run: str, results, device: 
     publisher = RankPublisher.from_env(samplers=[], heartbeat_s=0.3)
     model = torch.nn.parallel.DistributedDataParallel(_net().to(device))  # gloo takes CUDA tensors too
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    hook = TrainerHook(model, opt, publisher, every=1)  # the times of every step
+    hook = TrainerHook(model, opt, publisher)
     for step in range(4):
         loss = model(torch.randn(16, 6, device=device)).pow(2).mean()
         opt.zero_grad()
