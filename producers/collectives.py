@@ -83,6 +83,22 @@ class _HostAndCuda:
         return self._host_s + self._cuda.item()
 
 
+class Remainder:
+    """``left - collective`` (not below 0) for a device-timed ``collective`` from ``take()``: a lazy
+    value, read when its events complete (the hook's ``compute_time_s`` on CUDA)."""
+
+    __slots__ = ("left", "collective")
+
+    def __init__(self, left: float, collective: Any):
+        self.left, self.collective = left, collective
+
+    def done(self) -> bool:
+        return self.collective.done()
+
+    def item(self) -> float:
+        return max(0.0, self.left - self.collective.item())
+
+
 class CollectiveTimer:
     """Collects collective spans from any thread; ``take()`` gives each step its busy time.
 

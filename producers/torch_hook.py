@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from producers.collectives import CollectiveTimer
+from producers.collectives import CollectiveTimer, Remainder
 from producers.grad_norms import Handoff, by_device, count_nonfinite, l2, norms
 from producers.publisher import RankPublisher
 from producers.stride import MAX_EVERY, MAX_GAP_S, Stride
@@ -57,7 +57,6 @@ from producers.values import Derived, stage
 log = logging.getLogger(__name__)
 
 
-
 def _update_ratio(values: list[float]) -> float:
     half = len(values) // 2  # update norms, then weight norms
     return l2(values[:half]) / l2(values[half:])
@@ -65,21 +64,6 @@ def _update_ratio(values: list[float]) -> float:
 
 def _mean(values: list[float]) -> float:
     return math.fsum(values) / len(values)
-
-
-class _Remainder:
-    """``left - collective`` for a device-timed collective time, read when its events complete."""
-
-    __slots__ = ("left", "collective")
-
-    def __init__(self, left: float, collective: Any):
-        self.left, self.collective = left, collective
-
-    def done(self) -> bool:
-        return self.collective.done()
-
-    def item(self) -> float:
-        return max(0.0, self.left - self.collective.item())
 
 
 class TrainerHook:
@@ -124,10 +108,10 @@ class TrainerHook:
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         self.weight_stats_every = weight_stats_every
         self._weights_at = -(-start_step // weight_stats_every) * weight_stats_every if weight_stats_every else 0
-        # Steps per published point: fixed by ``every``, else adapted (see ``_adapt``). Published steps
-        # are multiples of it, so ranks with the same stride (or a power of two apart) share steps.
+        # The stride: fixed by ``every``, else chosen by ``Stride``. Measured steps are its multiples,
+        # so ranks with the same stride (or strides a power of two apart) measure the same steps.
         self.every, self._stride = every or 1, None if every else Stride()
-        self._due = -(-start_step // self.every) * self.every  # the next step published in full
+        self._due = -(-start_step // self.every) * self.every  # the next step measured
         self._measured_at = 0.0  # when the last measured step ended
         self._spent = 0.0  # seconds in this measured step's callbacks so far
         self._weighed = False  # whether this measured step took the weight statistics
@@ -345,7 +329,7 @@ class TrainerHook:
         if last is not None:
             left = metrics["step_time_s"] - waited
             metrics["compute_time_s"] = (max(0.0, left - collective) if isinstance(collective, float)
-                                         else _Remainder(left, collective))
+                                         else Remainder(left, collective))
         if metrics:
             self.publisher.log(stage(metrics) if self._on_cuda else metrics, self.step)
         self.step += 1
@@ -354,7 +338,7 @@ class TrainerHook:
         if self._tokens:
             self._tokens = []
         if self.step > self._due:  # this step was measured: when is the next one?
-            if self._stride is not None and last is not None and not self._weighed:
+            if self._stride is not None and last is not None and self._spent and not self._weighed:
                 self.every = self._stride.update(self._spent, elapsed)
             self._spent, self._weighed, self._measured_at = 0.0, False, now
             self._due = -(-self.step // self.every) * self.every

@@ -10,6 +10,8 @@ from the model's inputs), ``collective_time_s`` and ``step_skipped`` (from accel
 Everything Trainer logs (``on_log``: ``grad_norm``, ``learning_rate``, ``epoch``, ``eval_*``, …)
 is published too, names unchanged. Trainer clips gradients before the optimizer step, so the
 pre-clip ``grad_norm`` comes from Trainer's logs (every ``logging_steps``), not from the hook.
+On fast steps ``grad_nonfinite``, ``lr`` and the weight statistics come every few steps (the
+hook's stride; ``RankwatchCallback(every=1)`` measures every step).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ micro-batches), ``grad_norm`` (before clipping: Lightning calls ``on_before_opti
 first), ``grad_nonfinite``, ``lr``, ``param_norm`` / ``update_ratio``, ``step_time_s``,
 ``samples_per_s`` (from the batch), ``collective_time_s``, and the step values the module logs
 with ``self.log`` (``trainer.callback_metrics``), names unchanged. Only the first optimizer is
-watched.
+watched. On fast steps the gradient statistics, ``lr`` and the weight statistics come every few
+steps (the hook's stride; ``RankwatchCallback(every=1)`` measures every step).
 """
 
 from __future__ import annotations
