@@ -35,7 +35,7 @@ import time
 import numpy as np
 import scipy.stats
 import torch
-from step_cost import MODELS, PINNED_ALLOCATOR, _Arm, _Clocks
+from step_cost import MODELS, PINNED_ALLOCATOR, _Arm, _Clocks, _stride
 
 from producers import RankPublisher
 from rankwatch.broker import EmbeddedBroker, free_port
@@ -52,11 +52,12 @@ def child(model: str, seconds: float, bootstrap: str) -> dict:
         publisher = RankPublisher(run="step-cost-alone", rank=0, world_size=1, bootstrap=bootstrap, spool_dir=spool)
         for _ in range(30):
             arm.step()
+        every = _stride(arm, publisher, 2.0)  # chosen once, as a hook attached afresh starts at 1
         step, block, end = 1, 0, time.monotonic() + seconds
         while time.monotonic() < end or block % 2:  # end on a whole pair
             role = "hook" if block % 2 else "plain"
             if role == "hook":
-                arm.attach(publisher, step)
+                arm.attach(publisher, step, every)
             settled = time.perf_counter() + _SETTLE_S
             while time.perf_counter() < settled:
                 arm.step()
@@ -73,7 +74,7 @@ def child(model: str, seconds: float, bootstrap: str) -> dict:
             block += 1
         publisher.close()
     clocks.close()
-    return blocks
+    return {**blocks, "every": every}
 
 
 def _row(model: str, allocator: str, blocks: dict) -> str:
@@ -82,7 +83,7 @@ def _row(model: str, allocator: str, blocks: dict) -> str:
     diffs = (hook[:, 0] - plain[:, 0]) / base
     low, high = scipy.stats.t.interval(0.95, len(diffs) - 1, loc=diffs.mean(), scale=scipy.stats.sem(diffs))
     blocked = (hook[:, 2].mean() - plain[:, 2].mean()) / base
-    return (f"| {model} | {allocator} | {int(hook[:, 3].sum()):,} | {base * 1e3:.3f} | {diffs.mean():+.2%} "
+    return (f"| {model} | {allocator} | {blocks['every']} | {int(hook[:, 3].sum()):,} | {base * 1e3:.3f} | {diffs.mean():+.2%} "
             f"[{low:+.2%}, {high:+.2%}] | {plain[:, 1].mean():.0f} | {hook[:, 1].mean():.0f} | {blocked:+.2%} "
             f"| {diffs.mean() + blocked:+.2%} |")
 
@@ -119,10 +120,11 @@ def main(argv: list[str] | None = None) -> None:
     print("**One model per process.** Blocks of 1.5 s, hooked and plain by turns; the hook's extra")
     print("CPU time per step as a share of the plain step's [95% t interval over the pairs of blocks];")
     print("the training thread's page faults per step; its extra time blocked (waiting for the GIL);")
-    print("and the two added. 'pinned': glibc keeps freed memory instead of returning it to the system.\n")
-    print("| model | allocator | steps hooked | plain step CPU (ms) | hook: CPU | page faults, plain "
+    print("and the two added. 'pinned': glibc keeps freed memory instead of returning it to the system.")
+    print("'every': the stride the hook chose in a first run alone, then held for the blocks.\n")
+    print("| model | allocator | every | steps hooked | plain step CPU (ms) | hook: CPU | page faults, plain "
           "| page faults, hook | extra GIL wait | CPU + GIL wait |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
