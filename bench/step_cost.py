@@ -189,8 +189,7 @@ def _rounds(arms: list[_Arm], publisher: RankPublisher, seconds: float, min_roun
     so weight statistics keep their period; it measures every ``every`` steps (the stride it chose
     alone, fixed, as a hook attached afresh every 10 steps would start at 1; and with no 0.2 s rule,
     as the other copies' steps triple the hooked copy's time between its steps). Returns wall and
-    training-thread CPU seconds per step,
-    shape (role, rounds).
+    training-thread CPU seconds per step, shape (role, rounds).
     """
     wall, cpu, step = [], [], 1
     assignments = list(itertools.permutations(range(len(arms))))
@@ -284,9 +283,9 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
     print(f"TrainerHook publishing to the embedded broker (publisher linger_s={linger:g}). 'loop clips': the")
     print("loop calls clip_grad_norm_ and passes its result, set_loss(loss, grad_norm=total), so the hook")
     print("skips its own pass over the gradients. Times are the training thread's CPU time (immune to")
-    print("other jobs taking the core) unless a column says wall. The hook measures (gradient norms, lr,")
-    print("times) every `every` steps and publishes the loss of every step: `every` is the stride it chose")
-    print("by itself (every=None) while the three copies stepped in turn, then held for the timing.\n")
+    print("other jobs taking the core) unless a column says wall. Every step publishes its loss and")
+    print("times; the hook measures the gradient statistics, lr and weight statistics every `every`")
+    print("steps, the stride it chose by itself (every=None) on the hooked copy stepping alone, then held.\n")
     rng = np.random.default_rng(0)
     budget_rows, paired_rows, verdict_rows, callback_rows = [], [], [], []
     for label in configs:

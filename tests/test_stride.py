@@ -31,7 +31,6 @@ def test_the_stride_is_the_power_of_two_that_keeps_measured_steps_within_budget(
     assert (_stride(1, 100 * COST_BUDGET * slow, slow), _stride(8, 100 * COST_BUDGET * slow, slow)) == (2, 2)
 
 
-
 @pytest.mark.broker
 def test_between_measured_steps_every_step_still_publishes_its_loss_times_and_metrics(bootstrap, run_id):
     torch.manual_seed(3)
