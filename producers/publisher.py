@@ -205,6 +205,10 @@ class RankPublisher:
             why = why or f"queue full ({self.max_queue} items)"
             log.warning("rankwatch: %s: %d items dropped so far", why, self._dropped)
 
+    def wake(self) -> None:
+        """Have the sender thread read what was logged now, not at its next poll (up to 0.1 s later)."""
+        self._wake.set()
+
     def add_sampler(self, sampler: Sampler) -> None:
         """Read ``sampler()`` (``{metric: float}``) with every heartbeat, on the sender thread."""
         self._samplers = [*self._samplers, sampler]

@@ -115,6 +115,7 @@ class TrainerHook:
         self._measured_at = 0.0  # when the last measured step ended
         self._spent = 0.0  # seconds in this measured step's callbacks so far
         self._weighed = False  # whether this measured step took the weight statistics
+        self._wake_sender = False
         self.scaler = scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: False)() else None
         self.publish_grad_norm = publish_grad_norm
         self._metrics: dict[str, Any] = {}
@@ -269,6 +270,7 @@ class TrainerHook:
             grads = [g for p in self._flat if (g := p.grad) is not None]
             lazy = self._handoff.hand(grads, grad, version, self._grad_norm_on_training_thread)
             self._publish_grad_stats(lazy.total, lazy.nonfinite)
+            self._wake_sender = self._handoff.prompt
 
     def _publish_grad_stats(self, total: Any, nonfinite: Any) -> None:
         if self.publish_grad_norm:
@@ -332,6 +334,9 @@ class TrainerHook:
                                          else Remainder(left, collective))
         if metrics:
             self.publisher.log(stage(metrics) if self._on_cuda else metrics, self.step)
+        if self._wake_sender:  # large gradients handed over: read (and let go of) them now
+            self._wake_sender = False
+            self.publisher.wake()
         self.step += 1
         if self._samples:  # a fresh list only when one was used: every object made here costs
             self._samples = []
