@@ -2,9 +2,8 @@
 
 Measuring a step (gathering its gradients for the sender thread, the learning rate, the weight
 statistics) runs some Python on the training thread right after the optimizer, when the caches are
-cold: 50–80 µs on a 2-core VM, for a tiny model as for a 1.3M-parameter one. On a 25 ms step that
-is 0.3%; on a 1 ms step it is 5%. So on fast loops the hook measures every few
-steps, while every step still publishes its loss, the loop's metrics and its times. Strides are
+cold: tens of µs, little on a 25 ms step but several percent of a 1 ms one (``bench/step_cost.py``).
+So on fast loops the hook measures every few steps, while every step still publishes its loss, the loop's metrics and its times. Strides are
 powers of two and measured steps their multiples, so ranks with the same stride, or strides a
 power of two apart, measure the same steps.
 """

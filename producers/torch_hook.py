@@ -62,6 +62,11 @@ def _update_ratio(values: list[float]) -> float:
     return l2(values[:half]) / l2(values[half:])
 
 
+def _multiple_from(step: int, k: int) -> int:
+    """The first multiple of ``k`` at or after ``step``."""
+    return -(-step // k) * k
+
+
 def _mean(values: list[float]) -> float:
     return math.fsum(values) / len(values)
 
@@ -107,11 +112,11 @@ class TrainerHook:
         self.step = start_step
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         self.weight_stats_every = weight_stats_every
-        self._weights_at = -(-start_step // weight_stats_every) * weight_stats_every if weight_stats_every else 0
+        self._weights_at = _multiple_from(start_step, weight_stats_every) if weight_stats_every else 0
         # The stride: fixed by ``every``, else chosen by ``Stride``. Measured steps are its multiples,
         # so ranks with the same stride (or strides a power of two apart) measure the same steps.
         self.every, self._stride = every or 1, None if every else Stride()
-        self._due = -(-start_step // self.every) * self.every  # the next step measured
+        self._due = _multiple_from(start_step, self.every)  # the next step measured
         self._measured_at = 0.0  # when the last measured step ended
         self._spent = 0.0  # seconds in this measured step's callbacks so far
         self._weighed = False  # whether this measured step took the weight statistics
@@ -203,8 +208,10 @@ class TrainerHook:
 
     def detach(self) -> None:
         """Remove the optimizer hooks, the scaler wrapper and the collective timer."""
-        for handle in [*self._handles, *([self._pre] if self._pre else [])]:
+        for handle in self._handles:
             handle.remove()
+        if self._pre is not None:
+            self._pre.remove()
         for restore in self._restore:
             restore()
         if self._timer is not None:
@@ -230,7 +237,7 @@ class TrainerHook:
             if probe is None or self._grad_norm_on_sender is None:
                 self._grad_stats_here([[g for p in group if (g := p.grad) is not None] for group in self._groups])
         if self.weight_stats_every and self.step >= self._weights_at:
-            self._weights_at = (self.step // self.weight_stats_every + 1) * self.weight_stats_every
+            self._weights_at = _multiple_from(self.step + 1, self.weight_stats_every)
             self._weighed = True  # a costly step, but a periodic one of its own: not the stride's business
             with torch.no_grad():  # only where needed: entering no_grad costs tens of µs after a backward pass
                 self._snapshot = [torch._foreach_mul(group, 1.0) for group in self._groups]  # fused copies
@@ -346,7 +353,7 @@ class TrainerHook:
             if self._stride is not None and last is not None and self._spent and not self._weighed:
                 self.every = self._stride.update(self._spent, elapsed)
             self._spent, self._weighed, self._measured_at = 0.0, False, now
-            self._due = -(-self.step // self.every) * self.every
+            self._due = _multiple_from(self.step, self.every)
         elif now - self._measured_at > MAX_GAP_S:
             self._due = self.step  # the loop slowed down: the next step is measured
         if self._attached and self.step >= self._due:
