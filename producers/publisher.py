@@ -32,7 +32,7 @@ import time
 import uuid
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,18 @@ class RankPublisher:
         self._queue.append((step, dict(metrics)))
         self._logged += 1
 
+    def defer(self, build: Callable[..., tuple[int, Mapping[str, Any]]], *args: Any) -> None:
+        """Queue a point to be worked out on the sender thread: ``build(*args)`` returns ``(step, metrics)``.
+
+        For callers on a hot path (``TrainerHook``): only ``args`` are taken here. ``build`` is called
+        once per deferred point, in logging order, on the sender thread.
+        """
+        if len(self._queue) >= self.max_queue:
+            self._count_drop()
+            return
+        self._queue.append((build, *args))
+        self._logged += 1
+
     def send(self, event: Any) -> None:
         """Queue any contract event (e.g. an ``EvalShard``) for its topic. Never blocks, never raises on I/O."""
         if len(self._queue) >= self.max_queue:
@@ -297,6 +309,8 @@ class RankPublisher:
             while self._queue and len(points) < self.max_batch and values < _MAX_VALUES:
                 item = self._queue.popleft()
                 if isinstance(item, tuple):
+                    if callable(item[0]) and (item := self._build_deferred(item)) is None:
+                        continue  # a deferred point (see ``defer``) whose build failed
                     points.append(item)
                     values += len(item[1])
                     self._last_step = item[0]
@@ -316,6 +330,14 @@ class RankPublisher:
             chunk.final = stop  # the chunk that met close()'s stop marker is the last one
             pending.append(chunk)
         return stop
+
+    def _build_deferred(self, item: tuple) -> tuple[int, Mapping[str, Any]] | None:
+        try:
+            return item[0](*item[1:])
+        except Exception:  # the caller's code; its failure costs one point, not the sender
+            log.exception("rankwatch: could not work out a deferred point")
+            self._count_drop()
+            return None
 
     def _publish(self, chunk: Chunk) -> None:
         try:

@@ -39,7 +39,6 @@ with each heartbeat.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -47,9 +46,10 @@ from typing import Any
 
 import torch
 
-from producers.collectives import CollectiveTimer, Remainder
+from producers.collectives import CollectiveTimer
 from producers.grad_norms import Handoff, by_device, count_nonfinite, l2, norms
 from producers.publisher import RankPublisher
+from producers.step_point import StepPoint
 from producers.stride import MAX_EVERY, MAX_GAP_S, Stride
 from producers.system import CudaMemorySampler
 from producers.values import Derived, stage
@@ -65,10 +65,6 @@ def _update_ratio(values: list[float]) -> float:
 def _multiple_from(step: int, k: int) -> int:
     """The first multiple of ``k`` at or after ``step``."""
     return -(-step // k) * k
-
-
-def _mean(values: list[float]) -> float:
-    return math.fsum(values) / len(values)
 
 
 class TrainerHook:
@@ -110,7 +106,10 @@ class TrainerHook:
             raise ValueError(f"every must be None (adaptive) or 1..{MAX_EVERY}, got {every}")
         self.model, self.optimizer, self.publisher = model, optimizer, publisher
         self.step = start_step
-        self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
+        # A step's metrics are worked out from its facts on the sender thread (or here, on CUDA, where
+        # the tensors are staged on this thread): see ``end_step``.
+        self._point = StepPoint(samples_per_step, tokens_per_step)
+        self._defer = publisher.defer
         self.weight_stats_every = weight_stats_every
         self._weights_at = _multiple_from(start_step, weight_stats_every) if weight_stats_every else 0
         # The stride: fixed by ``every``, else chosen by ``Stride``. Measured steps are its multiples,
@@ -118,15 +117,16 @@ class TrainerHook:
         self.every, self._stride = every or 1, None if every else Stride()
         self._due = _multiple_from(start_step, self.every)  # the next step measured
         self._measured_at = 0.0  # when the last measured step ended
+        self._overdue = MAX_GAP_S  # when the next step is measured whatever the stride
         self._spent = 0.0  # seconds in this measured step's callbacks so far
+        self._scheduling = 0.0  # seconds in ``_schedule`` since the last measured step
         self._weighed = False  # whether this measured step took the weight statistics
         self._wake_sender = False
         self.scaler = scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: False)() else None
         self.publish_grad_norm = publish_grad_norm
         self._metrics: dict[str, Any] = {}
         self._losses: list[Any] = []
-        self._samples: list[Any] = []
-        self._tokens: list[Any] = []
+        self._facts: dict[str, Any] = {}  # this step's micro-batch counts, for the StepPoint
         # Parameter lists per (device, dtype) for the fused kernels; groups added later are not watched.
         self._groups = by_device(self._params())
         self._flat = [p for group in self._groups for p in group]  # a CPU model's, for the sender (one pass)
@@ -144,7 +144,7 @@ class TrainerHook:
         self._probe: tuple[torch.Tensor, int] | None = None  # this step's probed gradient and its version
         self._snapshot: list[torch.Tensor] | None = None
         self._data_wait: float | None = None
-        self._last_end: float | None = None
+        self._measured_step = 0  # the step after the last measured one, for the stride's step time
         self._handles: list[Any] = []
         self._restore: list[Callable[[], None]] = []
 
@@ -155,6 +155,7 @@ class TrainerHook:
             if isinstance(model, torch.nn.parallel.DistributedDataParallel):
                 self._timer.time_ddp(model)
             publisher.add_sampler(self._timer.sample)
+        self._timing = self._timer is not None  # each step takes the waits measured (see ``_take_facts``)
         device = next((p.device for p in model.parameters()), None)
         self._on_cuda = device is not None and device.type == "cuda"
         if self._on_cuda:
@@ -166,7 +167,7 @@ class TrainerHook:
         if attach:
             self._arm()
             if self.scaler is None:
-                self._handles.append(optimizer.register_step_post_hook(lambda *_: self._after_and_end()))
+                self._handles.append(optimizer.register_step_post_hook(self._post_hook))
             else:
                 self._handles.append(optimizer.register_step_post_hook(lambda *_: self.after_step()))
                 self._wrap_scaler_update()
@@ -183,9 +184,9 @@ class TrainerHook:
         # number is counted there as invalid), and either would cost more than the rest of this call.
         self._losses.append(loss)
         if samples is not None:
-            self._samples.append(samples)
+            self._facts.setdefault("samples", []).append(samples)
         if tokens is not None:
-            self._tokens.append(tokens)
+            self._facts.setdefault("tokens", []).append(tokens)
         if extra:
             self._metrics.update(extra)
 
@@ -196,7 +197,7 @@ class TrainerHook:
     def wrap_loader(self, loader: Iterable) -> Iterator:
         """Yield from ``loader``, timing each wait for the next batch; the step reports ``data_wait_s``."""
         iterator = iter(loader)
-        self._data_wait = 0.0
+        self._data_wait, self._timing = 0.0, True
         while True:
             started = time.perf_counter()
             try:
@@ -309,55 +310,62 @@ class TrainerHook:
 
     def end_step(self, step: int | None = None, *, skipped: Any = None) -> None:
         """Publish this step's point (at ``step`` if given, else the hook's own counter) and start the next."""
+        # Only the step's facts are taken here, with as few lines as can be: this runs with the caches
+        # cold (see ``before_step``). The sender thread works out the metrics (``StepPoint``).
         now = time.perf_counter()
-        metrics, self._metrics = self._metrics, {}
         if step is not None:
             self.step = step
-        if losses := self._losses:
-            metrics["loss"] = losses[0] if len(losses) == 1 else Derived(_mean, losses)
-            self._losses = []
-        if skipped is not None:
-            metrics["step_skipped"] = skipped
-        last, self._last_end = self._last_end, now
-        if last is not None:
-            elapsed = metrics["step_time_s"] = now - last
-            if self._samples:  # ints or tensors, summed on the sender
-                metrics["samples_per_s"] = Derived(lambda v, e=elapsed: math.fsum(v) / e, self._samples)
-            elif self.samples_per_step is not None:
-                metrics["samples_per_s"] = self.samples_per_step / elapsed
-            if self._tokens:
-                metrics["tokens_per_s"] = Derived(lambda v, e=elapsed: math.fsum(v) / e, self._tokens)
-            elif self.tokens_per_step is not None:
-                metrics["tokens_per_s"] = self.tokens_per_step / elapsed
-        waited = collective = 0.0
-        if self._data_wait is not None:
-            metrics["data_wait_s"] = waited = self._data_wait
-            self._data_wait = 0.0
-        if self._timer is not None:
-            metrics["collective_time_s"] = collective = self._timer.take()
-        if last is not None:
-            left = metrics["step_time_s"] - waited
-            metrics["compute_time_s"] = (max(0.0, left - collective) if isinstance(collective, float)
-                                         else Remainder(left, collective))
+        metrics, losses = self._metrics, self._losses
         if metrics:
-            self.publisher.log(stage(metrics) if self._on_cuda else metrics, self.step)
+            self._metrics = {}
+        else:
+            metrics = None  # the empty dict stays the hook's, to fill next step
+        if losses:
+            self._losses = []
+        else:
+            losses = None
+        facts = self._take_facts(skipped) if self._facts or self._timing or skipped is not None else None
+        if self._on_cuda:  # the tensors are staged on this thread, behind the kernels that made them
+            at, point = self._point(self.step, now, losses, metrics, facts)
+            if point:
+                self.publisher.log(stage(point), at)
+        else:
+            self._defer(self._point, self.step, now, losses, metrics, facts)
+        self.step += 1
+        if self.step >= self._due or now > self._overdue:
+            self._schedule(now)
+
+    def _schedule(self, now: float) -> None:
+        """After a measured step, or before one, or when one is overdue: the stride's bookkeeping.
+
+        Its own time counts as the next measured step's: it runs only because of the measured steps.
+        """
+        began = time.perf_counter()
         if self._wake_sender:  # large gradients handed over: read (and let go of) them now
             self._wake_sender = False
             self.publisher.wake()
-        self.step += 1
-        if self._samples:  # a fresh list only when one was used: every object made here costs
-            self._samples = []
-        if self._tokens:
-            self._tokens = []
-        if self.step > self._due:  # this step was measured: when is the next one?
-            if self._stride is not None and last is not None and self._spent and not self._weighed:
-                self.every = self._stride.update(self._spent, elapsed)
-            self._spent, self._weighed, self._measured_at = 0.0, False, now
+        if self.step > self._due:  # the step just published was measured: when is the next one?
+            if self._stride is not None and self._measured_at and self._spent and not self._weighed:
+                per_step = (now - self._measured_at) / max(1, self.step - self._measured_step)
+                self.every = self._stride.update(self._spent + self._scheduling, per_step)
+            self._spent, self._scheduling, self._weighed, self._measured_step = 0.0, 0.0, False, self.step
+            self._measured_at, self._overdue = now, now + MAX_GAP_S
             self._due = _multiple_from(self.step, self.every)
-        elif now - self._measured_at > MAX_GAP_S:
+        elif now > self._overdue:
             self._due = self.step  # the loop slowed down: the next step is measured
         if self._attached and self.step >= self._due:
             self._arm()
+        self._scheduling += time.perf_counter() - began
+
+    def _take_facts(self, skipped: Any) -> dict[str, Any]:
+        facts, self._facts = self._facts, {}
+        if skipped is not None:
+            facts["skipped"] = skipped
+        if self._data_wait is not None:
+            facts["data_wait_s"], self._data_wait = self._data_wait, 0.0
+        if self._timer is not None:
+            facts["collective_time_s"] = self._timer.take()
+        return facts
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -380,8 +388,9 @@ class TrainerHook:
             self._pre = None
         self.before_step()
 
-    def _after_and_end(self) -> None:
-        self.after_step()
+    def _post_hook(self, *_: Any) -> None:
+        if self.step >= self._due:
+            self.after_step()
         self.end_step()
 
     def _wrap_scaler_update(self) -> None:

@@ -226,3 +226,30 @@ def test_producer_config_overrides_the_publishers_own_kafka_settings(bootstrap, 
     assert (stats.sent, stats.failed) == (1, 0)  # a duplicate keyword once failed every send
     config = kafka_config(bootstrap, 5.0, {"linger_ms": 3, "acks": "all"})
     assert (config["linger_ms"], config["acks"], config["retries"]) == (3, "all", 5)
+
+
+@pytest.mark.broker
+def test_deferred_points_are_built_on_the_sender_thread_in_order_and_a_failing_one_costs_only_itself(
+        bootstrap, run_id, caplog):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
+    built_on = []
+
+    def build(step, value):
+        built_on.append(threading.current_thread().name)
+        if value is None:
+            raise RuntimeError("no value")
+        return step, {"loss": value}
+
+    with caplog.at_level(logging.ERROR, logger="producers.publisher"):
+        publisher.defer(build, 0, 1.0)
+        publisher.log({"loss": 2.0}, 1)
+        publisher.defer(build, 2, None)
+        publisher.defer(build, 3, 4.0)
+        publisher.close()
+    stats = publisher.stats()
+    assert (stats.logged, stats.dropped, stats.failed) == (4, 1, 0)
+    assert "could not work out a deferred point" in caplog.text
+    assert set(built_on) == {publisher._thread.name} and len(built_on) == 3
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, count=stats.sent)
+    loss = [s["loss"] for b in sorted(batches, key=lambda b: b["seq"]) if "loss" in (s := b["series"])]
+    assert [(st, v) for s in loss for st, v in zip(s["steps"], s["values"])] == [(0, 1.0), (1, 2.0), (3, 4.0)]
