@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from producers.amp import after_scaler_update
 from producers.collectives import CollectiveTimer
 from producers.grad_norms import Handoff, by_device, count_nonfinite, l2, norms
 from producers.publisher import RankPublisher
@@ -170,7 +171,8 @@ class TrainerHook:
                 self._handles.append(optimizer.register_step_post_hook(self._post_hook))
             else:
                 self._handles.append(optimizer.register_step_post_hook(lambda *_: self.after_step()))
-                self._wrap_scaler_update()
+                end_step = lambda **kw: self.end_step(**kw)  # noqa: E731 (looked up per call, like the hooks)
+                self._restore.append(after_scaler_update(self.scaler, optimizer, end_step))
 
     # -- what the user calls ---------------------------------------------------------------------
 
@@ -392,20 +394,3 @@ class TrainerHook:
         if self.step >= self._due:
             self.after_step()
         self.end_step()
-
-    def _wrap_scaler_update(self) -> None:
-        scaler, original = self.scaler, self.scaler.update
-
-        def update(new_scale=None):
-            # scaler.step() skipped optimizer.step() iff it found an Inf/NaN; read that before
-            # update() forgets it. A skipped step ran none of the optimizer hooks.
-            try:
-                found = scaler._found_inf_per_device(self.optimizer)
-                skipped = sum(found.values()) if found else None
-            except (AttributeError, KeyError):  # a scaler without per-optimizer state for us
-                skipped = None
-            original(new_scale)
-            self.end_step(skipped=skipped)
-
-        scaler.update = update  # on the instance: deleting it brings back the class's method
-        self._restore.append(lambda: delattr(scaler, "update"))
