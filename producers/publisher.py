@@ -26,24 +26,23 @@ import math
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import uuid
 import weakref
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from producers.identity import rank_identity
+from producers.outbox import MAX_VALUES, Outbox, Triple
 from producers.shipper import ShipperProcess
 from producers.spool import SpoolWriter, default_root
 from producers.system import ProcessSampler, Sampler
 from producers.values import Chunk
-from rankwatch.contract import HEARTBEAT, Series, TelemetryBatch
+from rankwatch.contract import HEARTBEAT
 from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,6 @@ log = logging.getLogger(__name__)
 _STOP = object()
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 _STOP_GRACE_S = 2.0  # how long close() waits for device values still on their way to the host
-_MAX_VALUES = 16_384  # per message: ~400 KB of JSON, well under Kafka's default 1 MB message limit
 _POLL_S = 0.1  # how often the sender reads what was logged: a NaN waits no longer than this to be sent
 
 
@@ -60,16 +58,6 @@ def _close_open_publishers() -> None:
     # A script that forgets close() should still deliver its last steps.
     for pub in list(_OPEN):
         pub.close(timeout_s=2.0)
-
-
-def rank_identity(env: Mapping[str, str]) -> tuple[int, int, int]:
-    """(rank, world_size, local_rank): from an initialised torch.distributed, else ``RANK`` /
-    ``WORLD_SIZE`` / ``LOCAL_RANK`` in ``env`` (torchrun sets all three), else (0, 1, 0)."""
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    dist = sys.modules.get("torch.distributed")  # initialised means imported; never import torch here
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    return rank, world, int(env.get("LOCAL_RANK", 0))
 
 
 @dataclass(frozen=True)
@@ -142,9 +130,7 @@ class RankPublisher:
         self._samplers: list[Sampler] = [ProcessSampler()] if samplers is None else list(samplers)
         self._queue: deque = deque()
         self._wake = threading.Event()
-        self._seq = 0
-        self._outbox: list[tuple[int, str, float]] = []  # read, not yet sent: (step, name, value)
-        self._outbox_since = 0.0
+        self._outbox = Outbox(run=run, rank=self.rank, world_size=self.world_size, producer=self.producer_id)
         self._logged = self._dropped = self._failed = self._invalid = self._heartbeats = 0
         self._warned: set[str] = set()
         self._started = time.monotonic()
@@ -192,11 +178,8 @@ class RankPublisher:
         self._logged += 1
 
     def defer(self, build: Callable[..., tuple[int, Mapping[str, Any]]], *args: Any) -> None:
-        """Queue a point to be worked out on the sender thread: ``build(*args)`` returns ``(step, metrics)``.
-
-        For callers on a hot path (``TrainerHook``): only ``args`` are taken here. ``build`` is called
-        once per deferred point, in logging order, on the sender thread.
-        """
+        """Queue a point that the sender thread works out, in logging order: ``build(*args)`` returns
+        ``(step, metrics)``. For a hot path (``TrainerHook``): only ``args`` are taken here."""
         if len(self._queue) >= self.max_queue:
             self._count_drop()
             return
@@ -292,7 +275,7 @@ class RankPublisher:
             if stop_at is not None and not pending:
                 return  # no heartbeat after the final batch: it would say the rank is still there
             now = time.monotonic()
-            if self._outbox and now - self._outbox_since >= self.linger_s:
+            if self._outbox and now - self._outbox.since >= self.linger_s:
                 self._send_outbox()
             if now >= next_beat:
                 self._heartbeat(now)
@@ -306,11 +289,16 @@ class RankPublisher:
         stop = False
         while self._queue and not stop:
             points, events, markers, values = [], [], [], 0
-            while self._queue and len(points) < self.max_batch and values < _MAX_VALUES:
+            while self._queue and len(points) < self.max_batch and values < MAX_VALUES:
                 item = self._queue.popleft()
                 if isinstance(item, tuple):
-                    if callable(item[0]) and (item := self._build_deferred(item)) is None:
-                        continue  # a deferred point (see ``defer``) whose build failed
+                    if callable(item[0]):  # a deferred point, worked out here
+                        try:
+                            item = item[0](*item[1:])
+                        except Exception:  # the caller's code: its failure costs one point, not the sender
+                            log.exception("rankwatch: could not work out a deferred point")
+                            self._count_drop()
+                            continue
                     points.append(item)
                     values += len(item[1])
                     self._last_step = item[0]
@@ -331,14 +319,6 @@ class RankPublisher:
             pending.append(chunk)
         return stop
 
-    def _build_deferred(self, item: tuple) -> tuple[int, Mapping[str, Any]] | None:
-        try:
-            return item[0](*item[1:])
-        except Exception:  # the caller's code; its failure costs one point, not the sender
-            log.exception("rankwatch: could not work out a deferred point")
-            self._count_drop()
-            return None
-
     def _publish(self, chunk: Chunk) -> None:
         try:
             if chunk.ready():
@@ -352,18 +332,15 @@ class RankPublisher:
                     self._warned.add(name)
                     log.warning("rankwatch: metric %r has a value that is not a number; skipped", name)
             if triples:
-                if len(self._outbox) + len(triples) > _MAX_VALUES:
+                if len(self._outbox) + len(triples) > MAX_VALUES:
                     self._send_outbox()
-                if not self._outbox:
-                    self._outbox_since = time.monotonic()
-                self._outbox += triples
+                self._outbox.add(triples)
             urgent = any(not math.isfinite(value) for _, _, value in triples)
             if chunk.final:
                 # The last word carries the samplers' readings, so a run shorter than one heartbeat
                 # still reports its memory; with nothing else left to send, it is a heartbeat.
                 if self._outbox:
-                    self._outbox += self._readings()
-                    self._send_outbox(final=True)
+                    self._try_send(self._outbox.take(self._readings(), final=True))
                 else:
                     self._heartbeat(time.monotonic(), final=True)
             elif (urgent or chunk.markers) and self._outbox:
@@ -374,18 +351,17 @@ class RankPublisher:
             for marker in chunk.markers:
                 marker.set()
 
-    def _send_outbox(self, *, final: bool = False) -> None:
-        triples, self._outbox = self._outbox, []
-        self._try_send(self._build(triples, final=final))
+    def _send_outbox(self) -> None:
+        self._try_send(self._outbox.take())
 
     def _heartbeat(self, now: float, *, final: bool = False) -> None:
         if self._outbox:  # the heartbeat names the last step: its points must not arrive after it
             self._send_outbox()
         triples = [(self._last_step, HEARTBEAT, now - (self._last_log or self._started)), *self._readings()]
         self._heartbeats += 1
-        self._try_send(self._build(triples, final=final))
+        self._try_send(self._outbox.take(triples, final=final))
 
-    def _readings(self) -> list[tuple[int, str, float]]:
+    def _readings(self) -> list[Triple]:
         """The samplers' readings, at the last logged step."""
         triples = []
         for sampler in self._samplers:
@@ -395,20 +371,6 @@ class RankPublisher:
                 log.exception("rankwatch: sampler %r failed; it is switched off", sampler)
                 self._samplers = [s for s in self._samplers if s is not sampler]
         return triples
-
-    def _build(self, triples: list[tuple[int, str, float]], *, final: bool = False) -> TelemetryBatch:
-        steps: dict[str, list[int]] = defaultdict(list)
-        values: dict[str, list[float]] = defaultdict(list)
-        for step, name, value in triples:
-            steps[name].append(step)
-            values[name].append(value)
-        batch = TelemetryBatch(
-            run=self.run, rank=self.rank, world_size=self.world_size, producer=self.producer_id,
-            seq=self._seq, ts=time.time(), final=final,
-            series={n: Series(np.asarray(steps[n], dtype=np.int64), np.asarray(values[n])) for n in steps},
-        )
-        self._seq += 1
-        return batch
 
     def _try_send(self, event: Any) -> None:
         try:

@@ -15,7 +15,8 @@ from conftest import consume_json
 from producers import publisher as publisher_module
 from producers.collectives import CollectiveTimer, busy_time
 from producers.grad_norms import l2
-from producers.publisher import RankPublisher, rank_identity
+from producers.identity import rank_identity
+from producers.publisher import RankPublisher
 from producers.shipper import kafka_config
 from producers.system import ProcessSampler
 from producers.values import Chunk, Derived, Staged, stage

@@ -1,0 +1,57 @@
+"""The sender thread's outbox: points already read, waiting to share one telemetry message."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+import numpy as np
+
+from rankwatch.contract import Series, TelemetryBatch
+
+MAX_VALUES = 16_384  # per message: ~400 KB of JSON, well under Kafka's default 1 MB message limit
+
+Triple = tuple[int, str, float]  # (step, metric, value)
+
+
+class Outbox:
+    """Read points waiting to go out together, and the numbering (``seq``) of one producer's messages.
+
+    >>> box = Outbox(run="r", rank=0, world_size=1, producer="p")
+    >>> box.add([(0, "loss", 1.0), (1, "loss", 0.5)])
+    >>> batch = box.take(extra=[(1, "rss_bytes", 2e9)], final=True)
+    >>> batch.seq, batch.series["loss"].steps.tolist(), sorted(batch.series), len(box)
+    (0, [0, 1], ['loss', 'rss_bytes'], 0)
+    """
+
+    def __init__(self, *, run: str, rank: int, world_size: int, producer: str):
+        self.run, self.rank, self.world_size, self.producer = run, rank, world_size, producer
+        self.since = 0.0  # when the oldest point waiting arrived (time.monotonic())
+        self._triples: list[Triple] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._triples)
+
+    def add(self, triples: list[Triple]) -> None:
+        if not self._triples:
+            self.since = time.monotonic()
+        self._triples += triples
+
+    def take(self, extra: Iterable[Triple] = (), *, final: bool = False) -> TelemetryBatch:
+        """Every point waiting, and ``extra``, as the next message (``final``: the producer's last)."""
+        steps: dict[str, list[int]] = defaultdict(list)
+        values: dict[str, list[float]] = defaultdict(list)
+        triples, self._triples = self._triples, []
+        for triple in (triples, extra):
+            for step, name, value in triple:
+                steps[name].append(step)
+                values[name].append(value)
+        batch = TelemetryBatch(
+            run=self.run, rank=self.rank, world_size=self.world_size, producer=self.producer,
+            seq=self._seq, ts=time.time(), final=final,
+            series={n: Series(np.asarray(steps[n], dtype=np.int64), np.asarray(values[n])) for n in steps},
+        )
+        self._seq += 1
+        return batch
