@@ -5,14 +5,14 @@ computed here), or a *lazy value*: any object with ``item()`` and, optionally, `
 unfinished ``done()`` means "not yet": the sender asks again later instead of blocking; an
 ``item()`` that raises ``Unavailable`` means "never": the point goes without it).
 
-Each tensor is read once per chunk, however many values use it. A CPU tensor is read directly. CUDA
-tensors are gathered per device into one buffer and copied asynchronously into pinned memory
-behind a CUDA event, so a hung device (a stuck collective) stalls those values only: the sender
-thread keeps running, and heartbeats keep flowing. The copy is best started by the thread (and so
-on the stream) that produced the tensors, with ``stage()``: ``TrainerHook`` does this. A CUDA tensor
-that reaches the sender unstaged is copied there, on the device's current stream of the sender
-thread, which is right for work on the default stream. torch is only touched when a value is a
-tensor, so torch-free processes never import it.
+A one-element CPU tensor is read where it is met; the elements of other tensors once per chunk,
+however many values use them. CUDA tensors are gathered per device into one buffer and copied
+asynchronously into pinned memory behind a CUDA event, so a hung device (a stuck collective)
+stalls those values only: the sender thread keeps running, and heartbeats keep flowing. The copy
+is best started by the thread (and so on the stream) that produced the tensors, with ``stage()``:
+``TrainerHook`` does this. A CUDA tensor that reaches the sender unstaged is copied there, on the
+device's current stream of the sender thread, which is right for work on the default stream.
+torch is only touched when a value is a tensor, so torch-free processes never import it.
 """
 
 from __future__ import annotations
@@ -137,10 +137,16 @@ class Chunk:
         self._lazy: list[tuple[Any, int]] = []
         self._staged: list[tuple[int, Staged]] = []
         slots, since_yield = self._slots, 0
+        tensor = None if self._torch is None else self._torch.Tensor
         for step, metrics in points:
             for name, value in metrics.items():
                 if type(value) is float:  # most values: the training thread's own clocks and counts
                     slots.append((step, name, value))
+                elif type(value) is tensor and not value.is_cuda:  # a loss: read where it is met
+                    try:
+                        slots.append((step, name, float(value.item())))
+                    except (RuntimeError, TypeError, ValueError):  # several elements, or not a real number
+                        self._add(step, name, value)
                 else:
                     self._add(step, name, value)
             since_yield += len(metrics)
