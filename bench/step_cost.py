@@ -168,6 +168,12 @@ class _Clocks:
         os.close(self._fd)
 
 
+def _cpu_times() -> list[int]:
+    """The machine's CPU time so far by kind (user, nice, system, idle, iowait, irq, softirq, steal, …)."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
 def _stride(arm: _Arm, publisher: RankPublisher, seconds: float) -> int:
     """The stride the hook chooses by itself (``every=None``) on ``arm`` stepping alone."""
     arm.attach(publisher)
@@ -400,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **PINNED_ALLOCATOR})  # read at start-up
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
+    started = _cpu_times()
     pinned = " (glibc's allocator settings pinned)" if args.pinned_allocator else ""
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads 1, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}{pinned}")
@@ -410,6 +417,10 @@ def main(argv: list[str] | None = None) -> None:
                 EmbeddedBroker(port=free_port(), log_path=f"{tmp}/broker.log") as broker:
             section_step(broker.bootstrap, args.step_seconds, broker._proc.pid, args.linger_s, args.models)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    spent = [b - a for a, b in zip(started, _cpu_times())]
+    # A VM's vCPU can be descheduled by its host; the training thread then counts that time as
+    # neither run nor queued, which the tables above read as GIL wait (the control's column shows it).
+    print(f"CPU time stolen by the VM's host during the run: {spent[7] / max(1, sum(spent[:8])):.2%}")
 
 
 if __name__ == "__main__":

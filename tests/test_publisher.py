@@ -49,18 +49,18 @@ def test_values_are_read_in_bulk_and_bad_ones_rejected_by_name():
     points = [
         (0, {"f": 1.5, "i": 2, "flag": True, "np": np.float32(0.25), "t32": torch.tensor(3.0),
              "t64": torch.tensor(4.0, dtype=torch.float64), "long": torch.tensor(5), "col": torch.ones(1, 1)}),
-        (1, {"text": "high", "vec": torch.ones(3), "none": None, "f": float("nan"),
+        (1, {"text": "high", "vec": torch.ones(3), "cplx": torch.tensor(1 + 2j), "none": None, "f": float("nan"),
              "sum": Derived(sum, [torch.tensor(1.0), 2, torch.tensor(3, dtype=torch.int32)]),
              "broken": Derived(lambda v: v[0] / 0, [torch.tensor(1.0)]),
              "of_vector": Derived(sum, [torch.ones(2, 2)]), "of_text": Derived(sum, ["x"])}),
     ]
     chunk = Chunk(points, [], [])
-    assert chunk.ready() and len(chunk) == 16
+    assert chunk.ready() and len(chunk) == 17
     got = {(step, name): value for step, name, value in chunk.resolve()}
     assert math.isnan(got.pop((1, "f")))
     assert got == {(0, "f"): 1.5, (0, "i"): 2.0, (0, "flag"): 1.0, (0, "np"): 0.25, (0, "t32"): 3.0,
                    (0, "t64"): 4.0, (0, "long"): 5.0, (0, "col"): 1.0, (1, "sum"): 6.0, (1, "of_vector"): 4.0}
-    assert sorted(chunk.invalid) == ["broken", "none", "of_text", "text", "vec"]
+    assert sorted(chunk.invalid) == ["broken", "cplx", "none", "of_text", "text", "vec"]
 
 
 class _FakeCopy:
