@@ -1,10 +1,11 @@
 """How many training steps apart ``TrainerHook`` measures gradient statistics, chosen from their cost.
 
 Measuring a step (gathering its gradients for the sender thread, the learning rate, the weight
-statistics) runs some Python on the training thread right after the optimizer, when the caches are
-cold: tens of µs, little on a 25 ms step but several percent of a 1 ms one (``bench/step_cost.py``).
-So on fast loops the hook measures every few steps, while every step still publishes its loss, the loop's metrics and its times. Strides are
-powers of two and measured steps their multiples, so ranks with the same stride, or strides a
+statistics, and the bookkeeping only measured steps need) runs some Python on the training thread
+right after the optimizer, when the caches are cold: tens of µs, little on a 25 ms step but
+several percent of a 1 ms one (``bench/step_cost.py``). So on fast loops the hook measures every
+few steps, while every step still publishes its loss, the loop's metrics and its times. Strides
+are powers of two and measured steps their multiples, so ranks with the same stride, or strides a
 power of two apart, measure the same steps.
 """
 
