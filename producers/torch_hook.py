@@ -32,15 +32,13 @@ The training thread only launches fused per-tensor norm kernels (``torch._foreac
 copies on the publisher's sender thread (``producers.values.Derived``), so the training thread
 never waits for the device. On a CPU model those kernels are the pass itself, a read of every
 gradient, so the hook hands the gradient tensors to the sender thread, which computes their norms
-there (``producers.grad_norms``). Process RSS, CPU and GPU memory are sampled by the sender thread
+there (``producers.grad_stats``). Process RSS, CPU and GPU memory are sampled by the sender thread
 with each heartbeat.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -48,14 +46,13 @@ import torch
 
 from producers.amp import after_scaler_update
 from producers.collectives import CollectiveTimer
-from producers.grad_norms import Handoff, by_device, count_nonfinite, l2, norms
+from producers.grad_norms import l2, norms
+from producers.grad_stats import GradStats
 from producers.publisher import RankPublisher
 from producers.step_point import StepPoint
 from producers.stride import MAX_EVERY, MAX_GAP_S, Stride
 from producers.system import CudaMemorySampler
 from producers.values import Derived, stage
-
-log = logging.getLogger(__name__)
 
 
 def _update_ratio(values: list[float]) -> float:
@@ -128,21 +125,8 @@ class TrainerHook:
         self._metrics: dict[str, Any] = {}
         self._losses: list[Any] = []
         self._facts: dict[str, Any] = {}  # this step's micro-batch counts, for the StepPoint
-        # Parameter lists per (device, dtype) for the fused kernels; groups added later are not watched.
-        self._groups = by_device(self._params())
-        self._flat = [p for group in self._groups for p in group]  # a CPU model's, for the sender (one pass)
-        # On a CPU model: None until the first step showed that nothing changes the gradients between
-        # before_step and after_step (a trainer that clips in between, in place).
-        cpu = all(group[0].device.type == "cpu" for group in self._groups if group)
-        self._grad_norm_on_sender: bool | None = None if cpu else False
-        # One trainable parameter's gradient is watched from before_step to after_step (is it changed
-        # in place in between?) and from step to step (is it replaced, or zeroed in place?).
-        self._probe_param = next((p for group in self._groups for p in group if p.requires_grad), None)
-        if self._probe_param is None:
-            self._grad_norm_on_sender = False
-        self._last_grad: weakref.ref | None = None  # the previous step's probed gradient
-        self._handoff = Handoff(sum(p.numel() * p.element_size() for p in self._params() if p.requires_grad))
-        self._probe: tuple[torch.Tensor, int] | None = None  # this step's probed gradient and its version
+        self._grads = GradStats([p for group in optimizer.param_groups for p in group["params"]])
+        self._groups = self._grads.groups  # per (device, dtype), for the fused kernels
         self._snapshot: list[torch.Tensor] | None = None
         self._data_wait: float | None = None
         self._measured_step = 0  # the step after the last measured one, for the stride's step time
@@ -175,6 +159,24 @@ class TrainerHook:
                 self._restore.append(after_scaler_update(self.scaler, optimizer, end_step))
 
     # -- what the user calls ---------------------------------------------------------------------
+
+    @property
+    def samples_per_step(self) -> int | None:
+        """Samples in each step, for ``samples_per_s`` (a change applies to the steps not yet read)."""
+        return self._point.samples_per_step
+
+    @samples_per_step.setter
+    def samples_per_step(self, n: int | None) -> None:
+        self._point.samples_per_step = n
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        """Tokens in each step, for ``tokens_per_s``."""
+        return self._point.tokens_per_step
+
+    @tokens_per_step.setter
+    def tokens_per_step(self, n: int | None) -> None:
+        self._point.tokens_per_step = n
 
     def set_loss(self, loss: torch.Tensor | float, *, samples: Any = None, tokens: Any = None, **extra: Any) -> None:
         """Record a micro-batch's loss (the step publishes the mean) and any other metrics.
@@ -226,61 +228,19 @@ class TrainerHook:
     def before_step(self) -> None:
         """Just before the optimizer updates the weights: gradient statistics and the weight snapshot."""
         # This runs right after the backward pass, when the interpreter's own data is out of the CPU
-        # caches: every object made or branch taken here costs microseconds, so there are few. On a
-        # CPU model only one gradient is read here, with its version; the rest are gathered after
-        # the update (``_grads_to_sender``), where that version shows whether anything changed
-        # them in between.
+        # caches: every object made or branch taken here costs microseconds, so there are few.
         if self.step < self._due:
             return  # a step between measured ones (see ``every``)
         began = time.perf_counter()
-        if "grad_norm" not in self._metrics:  # else it is the caller's clip_grad_norm_ result: no second pass
-            probe = None if self._grad_norm_on_sender is False else self._probe_param.grad
-            if probe is not None:
-                self._probe = (probe, probe._version)
-            if probe is None or self._grad_norm_on_sender is None:
-                self._grad_stats_here([[g for p in group if (g := p.grad) is not None] for group in self._groups])
+        # A grad_norm already there is the caller's clip_grad_norm_ result: no second pass.
+        if "grad_norm" not in self._metrics and (stats := self._grads.before()) is not None:
+            self._publish_grad_stats(*stats)
         if self.weight_stats_every and self.step >= self._weights_at:
             self._weights_at = _multiple_from(self.step + 1, self.weight_stats_every)
             self._weighed = True  # a costly step, but a periodic one of its own: not the stride's business
             with torch.no_grad():  # only where needed: entering no_grad costs tens of µs after a backward pass
                 self._snapshot = [torch._foreach_mul(group, 1.0) for group in self._groups]  # fused copies
         self._spent += time.perf_counter() - began
-
-    def _grad_stats_here(self, grads: list[list[torch.Tensor]]) -> None:
-        """The step's gradient statistics from one fused per-tensor norm launched on this thread.
-
-        It is the only device work on the training thread; the global norm (the value
-        ``clip_grad_norm_`` returns) and the non-finite count are computed by the sender.
-        """
-        if any(grads):
-            with torch.no_grad():  # grads made with create_graph=True would grow a graph
-                grad_norms = norms(grads)
-            self._publish_grad_stats(Derived(l2, grad_norms), Derived(count_nonfinite, grad_norms))
-
-    def _grads_to_sender(self, grad: torch.Tensor, version: int) -> None:
-        """After the update, on a CPU model: the step's gradients go to the sender (``SenderGradNorms``).
-
-        ``grad`` is the probed gradient as ``before_step`` saw it, and ``version`` its version then.
-        """
-        if grad._version != version or self._probe_param.grad is not grad:
-            self._grad_norm_on_training_thread("the gradients changed between before_step and after_step (clipping?)")
-            return  # unless the first step computed them above, this step's values are gone: never published wrong
-        kept = self._last_grad is not None and self._last_grad() is grad
-        self._last_grad = weakref.ref(grad)
-        if self._grad_norm_on_sender is None:  # the first step: computed by before_step
-            self._grad_norm_on_sender = True
-            return
-        # Kept: zeroed in place next step, perhaps before the sender could read them. Full: the sender
-        # is behind, so no more gradients are kept alive for it. Either way they are read here.
-        if kept or self._handoff.full():
-            if kept:
-                self._grad_norm_on_training_thread("the loop keeps its gradient tensors from step to step")
-            self._grad_stats_here([[g for p in group if (g := p.grad) is not None] for group in self._groups])
-        else:
-            grads = [g for p in self._flat if (g := p.grad) is not None]
-            lazy = self._handoff.hand(grads, grad, version, self._grad_norm_on_training_thread)
-            self._publish_grad_stats(lazy.total, lazy.nonfinite)
-            self._wake_sender = self._handoff.prompt
 
     def _publish_grad_stats(self, total: Any, nonfinite: Any) -> None:
         if self.publish_grad_norm:
@@ -292,9 +252,9 @@ class TrainerHook:
         if self.step < self._due:
             return
         began = time.perf_counter()
-        if self._probe is not None:  # a CPU model's gradients, marked by before_step
-            probe, self._probe = self._probe, None
-            self._grads_to_sender(*probe)
+        if (stats := self._grads.after()) is not None:  # a CPU model's gradients, probed by before_step
+            self._publish_grad_stats(*stats)
+            self._wake_sender = self._grads.handed and self._grads.handoff.prompt
         groups = self.optimizer.param_groups
         for i, group in enumerate(groups):
             lr = group.get("lr")
@@ -370,14 +330,6 @@ class TrainerHook:
         return facts
 
     # -- internals -------------------------------------------------------------------------------
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def _grad_norm_on_training_thread(self, why: str) -> None:
-        if self._grad_norm_on_sender is not False:
-            self._grad_norm_on_sender = False
-            log.info("rankwatch: %s: grad_norm is computed on the training thread from now on", why)
 
     def _arm(self) -> None:
         """Hook ``before_step`` into the next optimizer step (it stays while every step is measured)."""

@@ -32,11 +32,11 @@ def test_a_sender_that_falls_behind_keeps_a_bounded_number_of_steps_gradients_al
             step(n)
     # Step 0 showed nothing changes the gradients; steps 1-3 handed theirs to the sender; from step 4
     # on the training thread computed the norms, as the bound allows three steps' worth.
-    assert [r() is not None and r().holding() for r in hook._handoff.unread] == [True] * 3
+    assert [r() is not None and r().holding() for r in hook._grads.handoff.unread] == [True] * 3
     assert "has yet to read 3 steps of gradients" in caplog.text and "(4 steps so far)" in caplog.text
     assert publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)  # the sender reads them now
     step(8)  # and the next step's gradients go to the sender again
-    assert len(hook._handoff.unread) == 1 and publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)
+    assert len(hook._grads.handoff.unread) == 1 and publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)
 
 
 def test_the_sender_reads_every_waiting_step_at_once_and_each_keeps_its_own_norms():

@@ -145,7 +145,7 @@ def test_published_values_equal_what_the_loop_computed(bootstrap, run_id, device
 def test_grad_norm_is_right_whether_the_loop_replaces_or_zeroes_its_gradients(bootstrap, run_id, caplog, in_place):
     # On a CPU model the sender may read the step's gradient tensors after the step: zeroing them in
     # place instead of replacing them must cost no value, nor give a wrong one.
-    caplog.set_level(logging.INFO, logger="producers.torch_hook")
+    caplog.set_level(logging.INFO, logger="producers.grad_stats")
     torch.manual_seed(2)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -162,7 +162,7 @@ def test_grad_norm_is_right_whether_the_loop_replaces_or_zeroes_its_gradients(bo
     assert (stats.dropped, stats.failed, stats.invalid) == (0, 0, 0)
     published = dict(read_series(bootstrap, run_id, stats.sent)[(0, "grad_norm")])
     assert published == pytest.approx(expected, rel=1e-5)
-    assert hook._grad_norm_on_sender is not in_place
+    assert hook._grads.on_sender is not in_place
     assert ("keeps its gradient tensors" in caplog.text) is in_place
 
 
@@ -234,7 +234,7 @@ def test_an_optimizer_that_changes_the_gradients_never_gets_a_wrong_grad_norm():
         opt.step()
     published = publisher.values("grad_norm")
     assert published == pytest.approx(expected, rel=1e-5)  # every step, none of them the shrunk norm
-    assert hook._grad_norm_on_sender is False  # the first step showed it: the training thread reads them
+    assert hook._grads.on_sender is False  # the first step showed it: the training thread reads them
 
 
 def test_grad_norm_is_published_on_a_step_where_the_watched_parameter_has_no_gradient():
@@ -250,7 +250,7 @@ def test_grad_norm_is_published_on_a_step_where_the_watched_parameter_has_no_gra
         last(features.tanh()).pow(2).mean().backward()
         expected[step] = _total_norm([p.grad for p in model.parameters() if p.grad is not None])
         opt.step()
-    assert hook._probe_param is first.weight and hook._grad_norm_on_sender
+    assert hook._grads.probe_param is first.weight and hook._grads.on_sender
     assert publisher.values("grad_norm") == pytest.approx(expected, rel=1e-5)
 
 
