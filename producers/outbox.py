@@ -44,8 +44,8 @@ class Outbox:
         steps: dict[str, list[int]] = defaultdict(list)
         values: dict[str, list[float]] = defaultdict(list)
         triples, self._triples = self._triples, []
-        for triple in (triples, extra):
-            for step, name, value in triple:
+        for part in (triples, extra):
+            for step, name, value in part:
                 steps[name].append(step)
                 values[name].append(value)
         batch = TelemetryBatch(
