@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from producers import RankPublisher
-from producers.system import rss_bytes
+from rankwatch.producers import RankPublisher
+from rankwatch.producers.system import rss_bytes
 from rankwatch.broker import free_port
 from rankwatch.contract import Series, TelemetryBatch
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stream_processors.detectors import Detector, build
+from rankwatch.stream_processors.detectors import Detector, build
 
 DATA = Path(__file__).resolve().parent / "data"
 STANDARD = {"tp": 1.0, "fp": 0.11, "fn": 1.0}

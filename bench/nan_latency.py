@@ -24,7 +24,7 @@ import time
 import numpy as np
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from producers import RankPublisher
+from rankwatch.producers import RankPublisher
 from rankwatch import contract
 from rankwatch.broker import free_port
 from rankwatch.contract import Alert, Series, TelemetryBatch

@@ -4,7 +4,7 @@ Real per-sample correctness comes from real models trained here with torch on sc
 bundled datasets (no network): an MLP on half of ``digits`` evaluated on the other half, the same
 model on a larger evaluation set of shifted, noisy copies of the held-out digits, and an MLP on
 ``breast_cancer``. For each of many random orders of the evaluation set (a shuffled validation
-set), ``--ranks`` ranks take strided shards (as ``producers.sharding`` does) and stream chunks of
+set), ``--ranks`` ranks take strided shards (as ``rankwatch.producers.sharding`` does) and stream chunks of
 ``--chunk`` samples in round-robin order. After every chunk the processors' ``StopRule`` (the
 same code the worker runs, with the dataset size known) decides; once it advises a stop every
 rank still evaluates ``--overshoot`` more samples (advice in flight) and closes its shard. The
@@ -27,7 +27,7 @@ from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 
-from stream_processors.evaluation import StopRule
+from rankwatch.stream_processors.evaluation import StopRule
 
 
 def train_mlp(x: np.ndarray, y: np.ndarray, *, hidden: int, epochs: int, seed: int) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Replaying recorded telemetry through rankwatch's pure detection pipeline, as the worker runs it.
 
-The same calls, in the same order, as ``stream_processors.flows``, with the broker taken out:
+The same calls, in the same order, as ``rankwatch.stream_processors.flows``, with the broker taken out:
 stage 1 (``TelemetryProcessor`` on a ``RankState`` per rank) turns each batch into per-rank alert
 transitions and a ``RankProgress``; stage 2 (``Grouper`` and ``RunWatcher`` on one run's state)
 groups them and adds the cross-rank and stall alerts; the two timers of the worker (group wait,
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from rankwatch.contract import Alert, RankProgress, RankSignal, TelemetryBatch
 from rankwatch.errors import SchemaError
-from stream_processors.grouping import Grouper, RunGroups
-from stream_processors.processor import RankState, TelemetryProcessor
-from stream_processors.rules import Rules
-from stream_processors.runwatch import RunWatch, RunWatcher
+from rankwatch.stream_processors.grouping import Grouper, RunGroups
+from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
+from rankwatch.stream_processors.rules import Rules
+from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher
 
 TRANSIT_S = 0.005  # producer -> broker -> stage 1 -> stage 2, per message
 GROUP_TICK_S = 0.05  # flows.flush_waiting_groups

@@ -33,7 +33,7 @@ the bench's author; chosen on seeds 0-2, so check them on others with ``--first-
 
 from __future__ import annotations
 
-from stream_processors.rules import DEFAULT_RULES_PATH, Rules
+from rankwatch.stream_processors.rules import DEFAULT_RULES_PATH, Rules
 
 PROPOSED = DEFAULT_RULES_PATH.read_text()
 

@@ -29,7 +29,7 @@ import torch._dynamo  # noqa: F401 (torch.optim imports it lazily: 3 s in every 
 import torch.distributed as dist
 import torch.distributions  # noqa: F401
 
-from producers import RankPublisher, TrainerHook
+from rankwatch.producers import RankPublisher, TrainerHook
 from rankwatch.broker import free_port
 from rankwatch.contract import TelemetryBatch
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import ndtri
 
-from stream_processors.detectors import CrossRank
+from rankwatch.stream_processors.detectors import CrossRank
 
 SIGNALS = {"step_time_s": "up", "collective_time_s": "down", "compute (derived)": "up"}
 DECISIONS = {"z > 7.7, 2 steps (first defaults)": ("run", 7.7, 2), "z > 4.9, 2 steps": ("run", 4.9, 2),

@@ -62,7 +62,7 @@ from scenario_rules import proposed_rules  # noqa: E402
 from scenario_runs import Fault, RunSpec, load_meta, load_spec, read_batches, record  # noqa: E402
 from scenario_study import study  # noqa: E402
 
-from stream_processors.rules import Rules, default_rules  # noqa: E402
+from rankwatch.stream_processors.rules import Rules, default_rules  # noqa: E402
 
 SETTLE = 50  # steps after a fault ends that still belong to it (recovery, resolves)
 DETECT = 10  # steps after a one-step fault within which an alert counts as detecting it

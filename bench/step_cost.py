@@ -33,7 +33,7 @@ import numpy as np
 import scipy.stats
 import torch
 
-from producers import RankPublisher, TrainerHook, torch_hook
+from rankwatch.producers import RankPublisher, TrainerHook, torch_hook
 from rankwatch.broker import EmbeddedBroker, free_port
 
 # (layer widths, batch) of the MLPs timed, on one torch thread. The hook's cost per

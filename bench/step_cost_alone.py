@@ -37,7 +37,7 @@ import scipy.stats
 import torch
 from step_cost import MODELS, PINNED_ALLOCATOR, _Arm, _Clocks, _stride
 
-from producers import RankPublisher
+from rankwatch.producers import RankPublisher
 from rankwatch.broker import EmbeddedBroker, free_port
 
 _BLOCK_S, _SETTLE_S = 1.5, 0.6

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from producers.evaluation import default_eval_id
-from producers.publisher import RankPublisher
-from producers.sharding import EvalShardSampler
+from rankwatch.producers.evaluation import default_eval_id
+from rankwatch.producers.publisher import RankPublisher
+from rankwatch.producers.sharding import EvalShardSampler
 from rankwatch.contract import EvalShard
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ _AUTOCAST_DTYPES = {
 
 
 class StopAdvice(Protocol):
-    """What the helper needs from a control listener (``producers.ControlListener`` has it)."""
+    """What the helper needs from a control listener (``rankwatch.producers.ControlListener`` has it)."""
 
     def should_stop(self, eval_id: str) -> bool: ...
 

@@ -29,7 +29,7 @@ _STATE_VERSION = 1
 
 
 class IntervalAdvice(Protocol):
-    """What the Evaluator needs from a control listener (``producers.ControlListener`` has it)."""
+    """What the Evaluator needs from a control listener (``rankwatch.producers.ControlListener`` has it)."""
 
     def eval_interval(self) -> float | None: ...
 

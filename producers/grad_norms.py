@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from producers.values import Unavailable
+from rankwatch.producers.values import Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from producers.grad_norms import Handoff, by_device, count_nonfinite, l2, norms
-from producers.values import Derived
+from rankwatch.producers.grad_norms import Handoff, by_device, count_nonfinite, l2, norms
+from rankwatch.producers.values import Derived
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 ``log()`` runs on the training thread, so it only appends to a bounded deque (no I/O, no lock, no
 tensor sync; about a microsecond). A daemon sender thread wakes every 0.1 s, drains the deque and
-turns values into floats without waiting on a device (``producers.values``). It batches many steps
+turns values into floats without waiting on a device (``rankwatch.producers.values``). It batches many steps
 of many metrics into one message once the oldest point has waited ``linger_s`` (0.5 s), or at once
-when a value is NaN or infinite, and appends it to a local spool (``producers.spool``). A shipper
-process (``producers.shipper``) sends the spool to Kafka: the Kafka client's CPU, and the GIL it
+when a value is NaN or infinite, and appends it to a local spool (``rankwatch.producers.spool``). A shipper
+process (``rankwatch.producers.shipper``) sends the spool to Kafka: the Kafka client's CPU, and the GIL it
 would hold, stay out of the training process (``bench/step_cost.py``). A broker that is down or
 slow costs the training thread nothing: messages wait in the spool (up to ``max_spool_bytes``),
 the queue bound holds, and whatever is dropped is counted in ``stats()`` and logged, never silent
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producers.identity import rank_identity
-from producers.outbox import MAX_VALUES, Outbox, Triple
-from producers.shipper import ShipperProcess
-from producers.spool import SpoolWriter, default_root
-from producers.system import ProcessSampler, Sampler
-from producers.values import Chunk
+from rankwatch.producers.identity import rank_identity
+from rankwatch.producers.outbox import MAX_VALUES, Outbox, Triple
+from rankwatch.producers.shipper import ShipperProcess
+from rankwatch.producers.spool import SpoolWriter, default_root
+from rankwatch.producers.system import ProcessSampler, Sampler
+from rankwatch.producers.values import Chunk
 from rankwatch.contract import HEARTBEAT
 from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from producers.identity import rank_identity
+from rankwatch.producers.identity import rank_identity
 
 
 def shard_indices(n: int, rank: int, world_size: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 A Kafka client costs CPU for every message, and inside the training process that CPU comes with
 the GIL the training thread needs (``bench/step_cost.py`` measured it). So the publisher only
-appends encoded messages to a local spool (``producers.spool``) and this process, started by the
+appends encoded messages to a local spool (``rankwatch.producers.spool``) and this process, started by the
 publisher, does the rest: it sends in order, waits for the broker's acknowledgement, records how
 far it got, and retries for as long as the broker is away. Nothing is lost while the disk lasts.
 
@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from producers.spool import Record, SpoolReader, Status, read_status, write_status
+from rankwatch.producers.spool import Record, SpoolReader, Status, read_status, write_status
 
 log = logging.getLogger("rankwatch.shipper")
 
@@ -214,8 +214,8 @@ class ShipperProcess:
                  producer_config: Mapping[str, Any] | None = None, drain_s: float = 60.0):
         self.directory = Path(directory)
         self._args = [
-            # Not ``-m producers.shipper``: the package imports this module before runpy would run it.
-            sys.executable, "-c", "import sys; from producers.shipper import main; sys.exit(main())",
+            # Not ``-m rankwatch.producers.shipper``: the package imports this module before runpy would run it.
+            sys.executable, "-c", "import sys; from rankwatch.producers.shipper import main; sys.exit(main())",
             str(self.directory), "--bootstrap", bootstrap,
             "--connect-timeout-s", str(connect_timeout_s), "--drain-s", str(drain_s),
         ]

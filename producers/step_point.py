@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from producers.collectives import Remainder
-from producers.values import Derived
+from rankwatch.producers.collectives import Remainder
+from rankwatch.producers.values import Derived
 
 _NO_FACTS: dict[str, Any] = {}
 

@@ -14,7 +14,7 @@ Per step (names as published):
   norm of the weights; that step copies the weights once, so it briefly needs their size again);
 - system: ``step_time_s`` (between step ends), ``data_wait_s`` (time spent waiting on a loader
   wrapped with ``wrap_loader``), ``samples_per_s`` / ``tokens_per_s`` (when the counts are known),
-  ``collective_time_s`` (when torch.distributed is initialised; see ``producers.collectives``),
+  ``collective_time_s`` (when torch.distributed is initialised; see ``rankwatch.producers.collectives``),
   and ``compute_time_s``: the step time left after data wait and collectives. In DDP every rank's
   step takes as long as the slowest one's (they wait for each other in the all-reduce), so only
   this remainder shows which rank is the straggler;
@@ -25,14 +25,14 @@ Every step publishes the loss, the loop's own metrics and stats, and the step's 
 statistics, ``lr`` and the weight statistics are measured every ``every`` steps. By default
 (``every=None``) that is every step where it costs the training thread little, and on fast loops
 every 2nd to 64th step, so that measuring takes under 0.2% of the training time
-(``producers.stride``); 0.2 s after a measured step, the next one is measured whatever the stride.
+(``rankwatch.producers.stride``); 0.2 s after a measured step, the next one is measured whatever the stride.
 
 The training thread only launches fused per-tensor norm kernels (``torch._foreach_norm``, as
 ``clip_grad_norm_`` does); global norms, ratios, counts and means are computed from their host
-copies on the publisher's sender thread (``producers.values.Derived``), so the training thread
+copies on the publisher's sender thread (``rankwatch.producers.values.Derived``), so the training thread
 never waits for the device. On a CPU model those kernels are the pass itself, a read of every
 gradient, so the hook hands the gradient tensors to the sender thread, which computes their norms
-there (``producers.grad_stats``). Process RSS, CPU and GPU memory are sampled by the sender thread
+there (``rankwatch.producers.grad_stats``). Process RSS, CPU and GPU memory are sampled by the sender thread
 with each heartbeat.
 """
 
@@ -44,15 +44,15 @@ from typing import Any
 
 import torch
 
-from producers.amp import after_scaler_update
-from producers.collectives import CollectiveTimer
-from producers.grad_norms import l2, norms
-from producers.grad_stats import GradStats
-from producers.publisher import RankPublisher
-from producers.step_point import StepPoint
-from producers.stride import MAX_EVERY, MAX_GAP_S, Stride
-from producers.system import CudaMemorySampler
-from producers.values import Derived, stage
+from rankwatch.producers.amp import after_scaler_update
+from rankwatch.producers.collectives import CollectiveTimer
+from rankwatch.producers.grad_norms import l2, norms
+from rankwatch.producers.grad_stats import GradStats
+from rankwatch.producers.publisher import RankPublisher
+from rankwatch.producers.step_point import StepPoint
+from rankwatch.producers.stride import MAX_EVERY, MAX_GAP_S, Stride
+from rankwatch.producers.system import CudaMemorySampler
+from rankwatch.producers.values import Derived, stage
 
 
 def _update_ratio(values: list[float]) -> float:

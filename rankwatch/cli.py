@@ -22,7 +22,7 @@ from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
 DESCRIPTION = """\
 rankwatch: streaming monitor for distributed training.
 
-Training ranks publish telemetry to Kafka (producers.RankPublisher / TrainerHook); Faust workers
+Training ranks publish telemetry to Kafka (rankwatch.producers.RankPublisher / TrainerHook); Faust workers
 detect anomalies and publish alerts to the topic rankwatch.alerts, readable by any Kafka client.
 
 The broker address comes from --bootstrap, else $RANKWATCH_BOOTSTRAP, else 127.0.0.1:9092.
@@ -84,7 +84,7 @@ def _like_ctrl_c(signum: int, frame) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from rankwatch.stack import Stack
-    from sinks import TerminalSink, read_topic
+    from rankwatch.sinks import TerminalSink, read_topic
 
     settings = _settings(args)
     embedded = _wants_embedded(args, os.environ.get("RANKWATCH_BOOTSTRAP"))
@@ -139,14 +139,14 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from stream_processors.worker import run_worker
+    from rankwatch.stream_processors.worker import run_worker
 
     run_worker(_settings(args), loglevel=args.loglevel)
     return 0
 
 
 def cmd_alerts(args: argparse.Namespace) -> int:
-    from sinks import TerminalSink, read_topic
+    from rankwatch.sinks import TerminalSink, read_topic
 
     sink = TerminalSink(as_json=args.json)
     with _until_ctrl_c() as pressed:
@@ -158,8 +158,8 @@ def cmd_alerts(args: argparse.Namespace) -> int:
 def cmd_notify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from sinks import JsonlSink, Notifier, TerminalSink, WebhookSink
-    from sinks.webhook import Secret
+    from rankwatch.sinks import JsonlSink, Notifier, TerminalSink, WebhookSink
+    from rankwatch.sinks.webhook import Secret
 
     settings = _settings(args)
     sinks = [] if args.quiet else [TerminalSink()]
@@ -182,7 +182,7 @@ def cmd_notify(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from sinks import read_topic
+    from rankwatch.sinks import read_topic
 
     with _until_ctrl_c() as pressed:
         for record in read_topic(
@@ -197,7 +197,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from sinks.eval_reports import as_json, format_table, read_reports
+    from rankwatch.sinks.eval_reports import as_json, format_table, read_reports
 
     reports = read_reports(_settings(args).bootstrap, args.run)
     if args.json:
@@ -210,8 +210,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_ship(args: argparse.Namespace) -> int:
-    from producers.shipper import CONFIG_ENV, Shipper, kafka_config
-    from producers.spool import default_root, find_spools, has_writer
+    from rankwatch.producers.shipper import CONFIG_ENV, Shipper, kafka_config
+    from rankwatch.producers.spool import default_root, find_spools, has_writer
 
     settings = _settings(args)
     config = kafka_config(settings.bootstrap, 5.0, json.loads(os.environ.get(CONFIG_ENV, "{}")))

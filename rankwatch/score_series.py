@@ -87,7 +87,7 @@ def score_rows(rows: list[dict[str, str]], detector: str, params: dict[str, Any]
     """The detector's scores (and its threshold) for CSV rows that have ``timestamp`` and ``value``."""
     import numpy as np
 
-    from stream_processors.detectors import build
+    from rankwatch.stream_processors.detectors import build
 
     if detector not in SERIES_DETECTORS:
         raise ScoreSeriesError(f"{detector!r} does not score one series; choose from {', '.join(SERIES_DETECTORS)}")

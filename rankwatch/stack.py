@@ -22,7 +22,7 @@ from rankwatch.broker import EmbeddedBroker
 from rankwatch.errors import RankwatchError
 from rankwatch.settings import Settings
 
-READY_LINE = "rankwatch worker ready"  # printed by stream_processors.worker; kept in sync by a test
+READY_LINE = "rankwatch worker ready"  # printed by rankwatch.stream_processors.worker; kept in sync by a test
 PARENT_ENV = "RANKWATCH_PARENT_PID"  # a worker started by a Stack stops when this process is gone
 
 

@@ -14,7 +14,7 @@ from kafka.errors import KafkaError
 from rankwatch import contract
 from rankwatch.contract import EvalReport
 from rankwatch.errors import BrokerError
-from sinks.reader import read_topic
+from rankwatch.sinks.reader import read_topic
 
 #: The fields of each report that ``rankwatch report --json`` prints, in order.
 FIELDS = ("run", "eval_id", "step", "complete", "provisional", "revision", "world_size", "ranks_received",

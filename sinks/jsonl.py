@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from rankwatch.contract import Alert
-from sinks.base import BatchingSink
+from rankwatch.sinks.base import BatchingSink
 
 
 class JsonlSink(BatchingSink):

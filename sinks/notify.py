@@ -18,8 +18,8 @@ from pathlib import Path
 from rankwatch import contract
 from rankwatch.contract import Alert
 from rankwatch.errors import RankwatchError, SchemaError
-from sinks.base import Sink
-from sinks.reader import read_topic
+from rankwatch.sinks.base import Sink
+from rankwatch.sinks.reader import read_topic
 
 log = logging.getLogger(__name__)
 

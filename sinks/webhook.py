@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from rankwatch.contract import Alert
 from rankwatch.errors import RankwatchError
-from sinks.base import BatchingSink
+from rankwatch.sinks.base import BatchingSink
 
 log = logging.getLogger(__name__)
 FORMATS = ("json", "slack", "alertmanager")

@@ -15,7 +15,7 @@ def make_app(settings: Settings, *, flavor: str, partitions: int) -> faust.App:
     ``partitions`` must equal the telemetry topic's partition count: Faust co-partitions the state
     table with the stream it is updated from.
     """
-    from stream_processors import (  # flows import the app's topics; keep make_app importable alone
+    from rankwatch.stream_processors import (  # flows import the app's topics; keep make_app importable alone
         eval_flows,
         flows,
     )
@@ -23,7 +23,7 @@ def make_app(settings: Settings, *, flavor: str, partitions: int) -> faust.App:
     extra = {}
     scheme = "kafka"
     if flavor == "tansu":
-        from stream_processors import tansu
+        from rankwatch.stream_processors import tansu
 
         extra, scheme = dict(tansu.APP_SETTINGS), "tansu"
     datadir = Path(settings.data_dir) / "faust"

@@ -25,7 +25,7 @@ from rankwatch import contract
 from rankwatch.contract import EvalShard
 from rankwatch.contract.topics import EVAL_RUN_EVENTS
 from rankwatch.settings import Settings
-from stream_processors.evaluation import (
+from rankwatch.stream_processors.evaluation import (
     EvalProcessor,
     EvalState,
     IntervalAdvisor,
@@ -36,7 +36,7 @@ from stream_processors.evaluation import (
     StopRule,
     parse_weights,
 )
-from stream_processors.topics import dead_letterer, decoded, raw_topic
+from rankwatch.stream_processors.topics import dead_letterer, decoded, raw_topic
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ import faust
 from rankwatch import contract
 from rankwatch.contract import RankProgress, RankSignal, TelemetryBatch, decode_run_event
 from rankwatch.settings import Settings
-from stream_processors.grouping import Grouper, RunGroups
-from stream_processors.processor import RankState, TelemetryProcessor
-from stream_processors.rules import Rules
-from stream_processors.runwatch import RunWatch, RunWatcher
-from stream_processors.topics import dead_letterer, decoded, raw_topic
+from rankwatch.stream_processors.grouping import Grouper, RunGroups
+from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
+from rankwatch.stream_processors.rules import Rules
+from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher
+from rankwatch.stream_processors.topics import dead_letterer, decoded, raw_topic
 
 log = logging.getLogger(__name__)
 

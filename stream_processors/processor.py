@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, Rollup, Series, TelemetryBatch
-from stream_processors.detectors import Detector
-from stream_processors.policies import AlertPolicy, Condition
-from stream_processors.rules import Rule, Rules, default_rules, detector_classes
-from stream_processors.windows import Window, roll
+from rankwatch.stream_processors.detectors import Detector
+from rankwatch.stream_processors.policies import AlertPolicy, Condition
+from rankwatch.stream_processors.rules import Rule, Rules, default_rules, detector_classes
+from rankwatch.stream_processors.windows import Window, roll
 
 
 @dataclass

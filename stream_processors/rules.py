@@ -17,8 +17,8 @@ from typing import Any
 
 from rankwatch.contract import SEVERITIES
 from rankwatch.errors import RankwatchError
-from stream_processors import detectors
-from stream_processors.detectors import Detector
+from rankwatch.stream_processors import detectors
+from rankwatch.stream_processors.detectors import Detector
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("rules.default.toml")
 _RULE_KEYS = {"metrics", "exclude", "detector", "params", "severity", "for", "resolve_after", "cooldown"}

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, RankProgress
-from stream_processors.detectors import CrossRank, Stall
-from stream_processors.detectors.stall import Stalled
-from stream_processors.grouping import ranks_text
-from stream_processors.policies import AlertPolicy, Condition
-from stream_processors.rules import Rule, Rules
+from rankwatch.stream_processors.detectors import CrossRank, Stall
+from rankwatch.stream_processors.detectors.stall import Stalled
+from rankwatch.stream_processors.grouping import ranks_text
+from rankwatch.stream_processors.policies import AlertPolicy, Condition
+from rankwatch.stream_processors.rules import Rule, Rules
 
 STALL_METRIC = "steps"  # what a stall alert is about: the rank stopped advancing steps
 # A rank waits for a peer if, during a stall, a heartbeat reports it blocked in one collective for at

@@ -11,7 +11,7 @@ from rankwatch import contract
 from rankwatch.admin import detect_flavor, ensure_topics
 from rankwatch.settings import Settings
 from rankwatch.stack import PARENT_ENV, READY_LINE
-from stream_processors.app import make_app
+from rankwatch.stream_processors.app import make_app
 
 
 def build_app(settings: Settings) -> faust.App:

@@ -2,7 +2,7 @@
 
 Each check is a plain function ``check_x(factory, data)``: ``factory()`` builds a fresh detector,
 ``data`` is a :class:`Data` with normal points for that detector and one unmistakable spike.
-``tests/test_detectors.py`` crosses every class in ``stream_processors.detectors.__all__`` with
+``tests/test_detectors.py`` crosses every class in ``rankwatch.stream_processors.detectors.__all__`` with
 every function in :data:`CHECKS`.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stream_processors.detectors import Detector
+from rankwatch.stream_processors.detectors import Detector
 
 Factory = Callable[[], Detector]
 

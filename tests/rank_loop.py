@@ -11,7 +11,7 @@ def main(run: str, bootstrap: str, steps: int, nan_step: int) -> None:
 
     import torch
 
-    from producers import RankPublisher, TrainerHook
+    from rankwatch.producers import RankPublisher, TrainerHook
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)

@@ -7,7 +7,7 @@ import torch
 from conftest import DEVICES
 from test_telemetry import read_series
 
-from producers import RankPublisher
+from rankwatch.producers import RankPublisher
 
 pytestmark = pytest.mark.broker
 
@@ -31,7 +31,7 @@ class _Tokens(torch.utils.data.Dataset):
 def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id, tmp_path, device):
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from producers.adapters.huggingface import RankwatchCallback
+    from rankwatch.producers.adapters.huggingface import RankwatchCallback
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
@@ -77,7 +77,7 @@ def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id
 def test_lightning_trainer_publishes_every_optimizer_step(bootstrap, run_id, device):
     import lightning.pytorch as L
 
-    from producers.adapters.lightning import RankwatchCallback
+    from rankwatch.producers.adapters.lightning import RankwatchCallback
 
     class Regression(L.LightningModule):
         def __init__(self):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conformance import CHECKS, Data
 
-from stream_processors import detectors
-from stream_processors.detectors import (
+from rankwatch.stream_processors import detectors
+from rankwatch.stream_processors.detectors import (
     Blowup,
     Collapse,
     CrossRank,
@@ -352,7 +352,7 @@ def test_page_hinkley_catches_a_slow_drift():
 def test_window_trend_matches_scipy(seed, ties):
     from scipy import stats
 
-    from stream_processors.detectors.trend import window_trend
+    from rankwatch.stream_processors.detectors.trend import window_trend
 
     rng = np.random.default_rng(seed)
     y = 0.05 * np.arange(50) + rng.normal(0.0, 1.0, 50)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stream_processors.detectors import CrossRank, Stall
+from rankwatch.stream_processors.detectors import CrossRank, Stall
 
 # --- CrossRank -----------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import torch
 from conftest import consume_json
 from kafka import KafkaProducer
 
-from producers import RankPublisher, TrainerHook
+from rankwatch.producers import RankPublisher, TrainerHook
 from rankwatch import contract
 from rankwatch.contract import Series, TelemetryBatch
 

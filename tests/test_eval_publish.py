@@ -19,7 +19,7 @@ from conftest import DEVICES, consume_json
 from kafka import KafkaProducer
 from torch.utils.data import TensorDataset
 
-from producers import ControlListener, Evaluator, RankPublisher, evaluate_shard, shard_dataloader
+from rankwatch.producers import ControlListener, Evaluator, RankPublisher, evaluate_shard, shard_dataloader
 from rankwatch import contract
 from rankwatch.contract import Control, EvalShard
 

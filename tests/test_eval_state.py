@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rankwatch.contract import EvalReport, EvalShard
-from stream_processors.evaluation import (
+from rankwatch.stream_processors.evaluation import (
     EvalProcessor,
     EvalState,
     Finding,
@@ -275,7 +275,7 @@ def test_run_update_and_run_state_round_trip():
 
 
 def test_report_reader_keeps_the_latest_revision_of_each_evaluation():
-    from sinks.eval_reports import as_json, format_table, latest_reports
+    from rankwatch.sinks.eval_reports import as_json, format_table, latest_reports
 
     values = [_report("e2", 200, _accuracy(0.8), revision=1).to_bytes(), b"\xff not json",
               b'{"schema": 1, "kind": "rollup", "run": "run-1"}', _report("e1", 100, _accuracy(0.7), revision=3).to_bytes(),

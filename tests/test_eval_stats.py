@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from stream_processors.evaluation import (
+from rankwatch.stream_processors.evaluation import (
     IntervalAdvisor,
     StopRule,
     compare,
@@ -19,7 +19,7 @@ from stream_processors.evaluation import (
     summarize,
     wilson_interval,
 )
-from stream_processors.evaluation.stats import holm
+from rankwatch.stream_processors.evaluation.stats import holm
 
 
 @pytest.mark.parametrize("k,n", [(0, 10), (10, 10), (1, 3), (45, 50), (512, 1000), (7, 2000)])

@@ -8,7 +8,7 @@ import multiprocessing
 
 import pytest
 
-from producers import Evaluator
+from rankwatch.producers import Evaluator
 from rankwatch.broker import free_port
 
 

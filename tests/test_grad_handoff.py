@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_telemetry import _Capture, _net, _total_norm
 
-from producers import TrainerHook, grad_norms
-from producers.values import Unavailable
+from rankwatch.producers import TrainerHook, grad_norms
+from rankwatch.producers.values import Unavailable
 
 
 def test_a_sender_that_falls_behind_keeps_a_bounded_number_of_steps_gradients_alive(monkeypatch, caplog):
@@ -27,7 +27,7 @@ def test_a_sender_that_falls_behind_keeps_a_bounded_number_of_steps_gradients_al
         expected[n] = _total_norm([p.grad for p in model.parameters()])
         opt.step()
 
-    with caplog.at_level(logging.WARNING, logger="producers.grad_norms"):
+    with caplog.at_level(logging.WARNING, logger="rankwatch.producers.grad_norms"):
         for n in range(8):
             step(n)
     # Step 0 showed nothing changes the gradients; steps 1-3 handed theirs to the sender; from step 4

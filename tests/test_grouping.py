@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rankwatch.contract import Alert, RankSignal
-from stream_processors.grouping import Grouper, RunGroups
+from rankwatch.stream_processors.grouping import Grouper, RunGroups
 
 
 def _signal(rank: int, status: str = "firing", *, incident: int = 120, step: int = 120, world: int = 8) -> RankSignal:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rankwatch.contract import Alert
-from stream_processors.policies import AlertPolicy, Condition
+from rankwatch.stream_processors.policies import AlertPolicy, Condition
 
 
 def _apply(policy: AlertPolicy, cond: Condition, bad: list[bool], *, start: int = 0, values=None, rank=2):

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from rankwatch.contract import Alert, Rollup, Series, TelemetryBatch
-from stream_processors.processor import Output, RankState, TelemetryProcessor
+from rankwatch.stream_processors.processor import Output, RankState, TelemetryProcessor
 
 
 def _batch(seq: int, steps, series: dict[str, list[float]], *, producer: str = "p1", rank: int = 1) -> TelemetryBatch:
@@ -192,7 +192,7 @@ def _rules(*, resolve_after: int):
     """The default rules with another resolve_after everywhere."""
     import dataclasses
 
-    from stream_processors.rules import default_rules
+    from rankwatch.stream_processors.rules import default_rules
 
     base = default_rules()
     return dataclasses.replace(base, rules=tuple(dataclasses.replace(r, resolve_after=resolve_after) for r in base.rules))

@@ -12,14 +12,14 @@ import pytest
 import torch
 from conftest import consume_json
 
-from producers import publisher as publisher_module
-from producers.collectives import CollectiveTimer, busy_time
-from producers.grad_norms import l2
-from producers.identity import rank_identity
-from producers.publisher import RankPublisher
-from producers.shipper import kafka_config
-from producers.system import ProcessSampler
-from producers.values import Chunk, Derived, Staged, stage
+from rankwatch.producers import publisher as publisher_module
+from rankwatch.producers.collectives import CollectiveTimer, busy_time
+from rankwatch.producers.grad_norms import l2
+from rankwatch.producers.identity import rank_identity
+from rankwatch.producers.publisher import RankPublisher
+from rankwatch.producers.shipper import kafka_config
+from rankwatch.producers.system import ProcessSampler
+from rankwatch.producers.values import Chunk, Derived, Staged, stage
 from rankwatch import contract
 from rankwatch.broker import free_port
 from rankwatch.contract import HEARTBEAT
@@ -34,7 +34,7 @@ def _offline(**kwargs) -> RankPublisher:
 def test_a_full_queue_drops_counts_and_logs_and_keeps_its_bound(caplog, monkeypatch):
     monkeypatch.setattr(publisher_module, "_POLL_S", 30.0)
     publisher = _offline(max_queue=100, linger_s=30)  # the sender sleeps through the burst
-    with caplog.at_level(logging.WARNING, logger="producers.publisher"):
+    with caplog.at_level(logging.WARNING, logger="rankwatch.producers.publisher"):
         for step in range(1000):
             publisher.log({"loss": 1.0}, step)
     stats = publisher.stats()
@@ -180,7 +180,7 @@ def test_heartbeats_flow_while_a_value_waits_on_its_device_then_it_is_published(
 @pytest.mark.broker
 def test_values_that_are_not_numbers_are_skipped_and_counted(bootstrap, run_id, caplog):
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
-    with caplog.at_level(logging.WARNING, logger="producers.publisher"):
+    with caplog.at_level(logging.WARNING, logger="rankwatch.producers.publisher"):
         for step in range(3):
             publisher.log({"loss": float(step), "note": "warm"}, step)
         publisher.close()
@@ -241,7 +241,7 @@ def test_deferred_points_are_built_on_the_sender_thread_in_order_and_a_failing_o
             raise RuntimeError("no value")
         return step, {"loss": value}
 
-    with caplog.at_level(logging.ERROR, logger="producers.publisher"):
+    with caplog.at_level(logging.ERROR, logger="rankwatch.producers.publisher"):
         publisher.defer(build, 0, 1.0)
         publisher.log({"loss": 2.0}, 1)
         publisher.defer(build, 2, None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stream_processors.rules import Rules, RulesError, default_rules
+from rankwatch.stream_processors.rules import Rules, RulesError, default_rules
 
 
 def test_defaults_watch_every_metric_for_nan_and_skip_spikes_on_flags():

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from rankwatch.contract import RankProgress, Series
-from stream_processors.rules import default_rules
-from stream_processors.runwatch import RunWatch, RunWatcher
+from rankwatch.stream_processors.rules import default_rules
+from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher
 
 
 def _progress(rank: int, step: int, world: int, **metrics: float) -> RankProgress:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rankwatch.score_series import SERIES_DETECTORS, ScoreSeriesError, parse_param, run
-from stream_processors.detectors import BY_NAME
+from rankwatch.stream_processors.detectors import BY_NAME
 
 RANKWATCH = [sys.executable, "-m", "rankwatch", "score-series"]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
-from producers import EvalShardSampler, shard_dataloader, shard_indices
+from rankwatch.producers import EvalShardSampler, shard_dataloader, shard_indices
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8, 16])

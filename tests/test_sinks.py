@@ -17,8 +17,8 @@ from kafka import KafkaProducer
 
 from rankwatch import contract
 from rankwatch.contract import Alert, Series, TelemetryBatch
-from sinks import JsonlSink, Notifier, WebhookSink
-from sinks.webhook import DeliveryError, Secret
+from rankwatch.sinks import JsonlSink, Notifier, WebhookSink
+from rankwatch.sinks.webhook import DeliveryError, Secret
 
 SECRET_PATH = "/services/T000/B000/very-secret-token"
 

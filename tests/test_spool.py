@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import consume_json, process_alive
 
-from producers import RankPublisher
-from producers.spool import SpoolReader, SpoolWriter
+from rankwatch.producers import RankPublisher
+from rankwatch.producers.spool import SpoolReader, SpoolWriter
 from rankwatch import cli, contract
 from rankwatch.broker import EmbeddedBroker, free_port
 
@@ -163,7 +163,7 @@ def test_a_killed_shipper_is_replaced_and_nothing_is_lost(bootstrap, run_id, tmp
 
 _DYING_RANK = """
 import os, signal, sys, time
-from producers import RankPublisher
+from rankwatch.producers import RankPublisher
 publisher = RankPublisher(run=sys.argv[1], rank=0, world_size=1, bootstrap=sys.argv[2], samplers=[], linger_s=0.1,
                           connect_timeout_s=0.5)
 for step in range(30):

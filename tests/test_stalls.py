@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import consume_json
 
-from producers import RankPublisher, TrainerHook
+from rankwatch.producers import RankPublisher, TrainerHook
 from rankwatch import contract
 
 pytestmark = pytest.mark.broker

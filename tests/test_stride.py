@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_telemetry import _net, _total_norm, read_series
 
-from producers import RankPublisher, TrainerHook
-from producers.stride import COST_BUDGET, MAX_EVERY, MAX_GAP_S, Stride
+from rankwatch.producers import RankPublisher, TrainerHook
+from rankwatch.producers.stride import COST_BUDGET, MAX_EVERY, MAX_GAP_S, Stride
 
 
 def _stride(every: int, cost_s: float, step_s: float) -> int:

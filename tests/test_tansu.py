@@ -1,4 +1,4 @@
-"""The Tansu workarounds in stream_processors.tansu, each shown against the real embedded broker.
+"""The Tansu workarounds in rankwatch.stream_processors.tansu, each shown against the real embedded broker.
 
 Every test pairs the workaround with the quirk it answers (numbers as in shared/notes/tansu-broker.md).
 Where a test asserts the quirk itself (e.g. ListOffsets being wrong), a failure there means the broker
@@ -20,8 +20,8 @@ from kafka.admin import NewTopic
 
 from rankwatch.admin import detect_flavor
 from rankwatch.settings import Settings
-from stream_processors import tansu
-from stream_processors.app import make_app
+from rankwatch.stream_processors import tansu
+from rankwatch.stream_processors.app import make_app
 
 pytestmark = pytest.mark.broker
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import DEVICES, consume_json
 
-import producers
-from producers import RankPublisher, TrainerHook
-from producers.grad_norms import count_nonfinite
+import rankwatch.producers as producers
+from rankwatch.producers import RankPublisher, TrainerHook
+from rankwatch.producers.grad_norms import count_nonfinite
 from rankwatch import contract
 from rankwatch.contract import HEARTBEAT
 
@@ -54,7 +54,7 @@ def _device_waits_in_rankwatch(device: str) -> Iterator[list[str]]:
     if torch.device(device).type != "cuda":  # a CPU tensor is on the host already: nothing to wait for
         yield waits
         return
-    thread, ours = threading.get_ident(), os.path.dirname(producers.__file__)
+    thread, ours = threading.get_ident(), os.path.dirname(rankwatch.producers.__file__)
 
     def show(message, category, filename, lineno, file=None, line=None):
         if threading.get_ident() == thread and "synchroniz" in str(message):
@@ -145,7 +145,7 @@ def test_published_values_equal_what_the_loop_computed(bootstrap, run_id, device
 def test_grad_norm_is_right_whether_the_loop_replaces_or_zeroes_its_gradients(bootstrap, run_id, caplog, in_place):
     # On a CPU model the sender may read the step's gradient tensors after the step: zeroing them in
     # place instead of replacing them must cost no value, nor give a wrong one.
-    caplog.set_level(logging.INFO, logger="producers.grad_stats")
+    caplog.set_level(logging.INFO, logger="rankwatch.producers.grad_stats")
     torch.manual_seed(2)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -186,7 +186,7 @@ class _Capture:
         self.wakes.append(len(self.points))
 
     def values(self, name: str) -> dict[int, float]:
-        from producers.values import Chunk
+        from rankwatch.producers.values import Chunk
 
         return {step: v for step, n, v in Chunk(self.points, [], []).resolve() if n == name}
 

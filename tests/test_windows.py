@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rankwatch.contract import Rollup
-from stream_processors.windows import Window, roll
+from rankwatch.stream_processors.windows import Window, roll
 
 
 def _stats_match(w: Window, points: np.ndarray, width: int, *, rel: float = 1e-9) -> None:

@@ -1,7 +1,7 @@
 """Trainer adapters: rankwatch as a callback of the trainer a user already has.
 
-- ``producers.adapters.huggingface.RankwatchCallback``: a ``transformers.TrainerCallback``;
-- ``producers.adapters.lightning.RankwatchCallback``: a Lightning ``Callback``.
+- ``rankwatch.producers.adapters.huggingface.RankwatchCallback``: a ``transformers.TrainerCallback``;
+- ``rankwatch.producers.adapters.lightning.RankwatchCallback``: a Lightning ``Callback``.
 
 Each module imports its library when it is imported itself, so neither library is needed to use
 the rest of rankwatch. Both drive a ``TrainerHook`` (``attach=False``) from the trainer's own events

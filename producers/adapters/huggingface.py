@@ -1,6 +1,6 @@
 """Hugging Face ``transformers.Trainer`` adapter.
 
-    from producers.adapters.huggingface import RankwatchCallback
+    from rankwatch.producers.adapters.huggingface import RankwatchCallback
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[RankwatchCallback()])
 
 Per optimizer step (at ``state.global_step``, the step number Trainer logs with): ``loss`` (the
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from producers.adapters import batch_size, release
-from producers.publisher import RankPublisher
-from producers.torch_hook import TrainerHook
+from rankwatch.producers.adapters import batch_size, release
+from rankwatch.producers.publisher import RankPublisher
+from rankwatch.producers.torch_hook import TrainerHook
 
 
 class RankwatchCallback(TrainerCallback):

@@ -1,6 +1,6 @@
 """Lightning adapter (``lightning.pytorch``, or the older ``pytorch_lightning`` package).
 
-    from producers.adapters.lightning import RankwatchCallback
+    from rankwatch.producers.adapters.lightning import RankwatchCallback
     trainer = L.Trainer(callbacks=[RankwatchCallback()])
 
 Per optimizer step: ``loss`` (what ``training_step`` returned, averaged over accumulated
@@ -24,9 +24,9 @@ try:
 except ImportError:  # the standalone package, same API
     from pytorch_lightning import Callback
 
-from producers.adapters import batch_size, release
-from producers.publisher import RankPublisher
-from producers.torch_hook import TrainerHook
+from rankwatch.producers.adapters import batch_size, release
+from rankwatch.producers.publisher import RankPublisher
+from rankwatch.producers.torch_hook import TrainerHook
 
 
 class RankwatchCallback(Callback):

@@ -19,7 +19,7 @@ from rankwatch.broker import free_port
 from rankwatch.contract import Alert, EvalReport
 from rankwatch.settings import Settings
 from rankwatch.stack import Stack
-from sinks import TerminalSink, read_topic
+from rankwatch.sinks import TerminalSink, read_topic
 
 
 def _describe(report: EvalReport) -> str:

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
-    from producers import Evaluator, RankPublisher, TrainerHook, evaluate_shard, shard_dataloader
+    from rankwatch.producers import Evaluator, RankPublisher, TrainerHook, evaluate_shard, shard_dataloader
 
     x_all, y_all = load_digits_tensors()
     x, y = x_all[:-HELD_OUT][rank::world], y_all[:-HELD_OUT][rank::world]  # this rank's training data

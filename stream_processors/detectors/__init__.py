@@ -10,18 +10,18 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from stream_processors.detectors.base import Detector
-from stream_processors.detectors.blowup import Blowup
-from stream_processors.detectors.collapse import Collapse
-from stream_processors.detectors.crossrank import CrossRank
-from stream_processors.detectors.cusum import Cusum
-from stream_processors.detectors.ensemble import Ensemble
-from stream_processors.detectors.ewma import EwmaResidual
-from stream_processors.detectors.nonfinite import NonFinite
-from stream_processors.detectors.page_hinkley import PageHinkley
-from stream_processors.detectors.spike import RobustSpike
-from stream_processors.detectors.stall import Stall, Stalled
-from stream_processors.detectors.trend import Plateau, Trend
+from rankwatch.stream_processors.detectors.base import Detector
+from rankwatch.stream_processors.detectors.blowup import Blowup
+from rankwatch.stream_processors.detectors.collapse import Collapse
+from rankwatch.stream_processors.detectors.crossrank import CrossRank
+from rankwatch.stream_processors.detectors.cusum import Cusum
+from rankwatch.stream_processors.detectors.ensemble import Ensemble
+from rankwatch.stream_processors.detectors.ewma import EwmaResidual
+from rankwatch.stream_processors.detectors.nonfinite import NonFinite
+from rankwatch.stream_processors.detectors.page_hinkley import PageHinkley
+from rankwatch.stream_processors.detectors.spike import RobustSpike
+from rankwatch.stream_processors.detectors.stall import Stall, Stalled
+from rankwatch.stream_processors.detectors.trend import Plateau, Trend
 
 BY_NAME: dict[str, type[Detector]] = {
     cls.name: cls

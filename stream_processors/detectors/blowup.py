@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 from scipy.special import ndtri
 
-from stream_processors.detectors.spike import RobustSpike
+from rankwatch.stream_processors.detectors.spike import RobustSpike
 
 
 class Blowup(RobustSpike):

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from stream_processors.detectors.base import Detector
-from stream_processors.detectors.scoring import check_direction, ratio_score, robust_level
+from rankwatch.stream_processors.detectors.base import Detector
+from rankwatch.stream_processors.detectors.scoring import check_direction, ratio_score, robust_level
 
 
 class Collapse(Detector):

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from stream_processors.detectors.base import Detector
-from stream_processors.detectors.scoring import (
+from rankwatch.stream_processors.detectors.base import Detector
+from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
     check_direction,
     directed,

@@ -5,16 +5,16 @@ from typing import Any
 
 import numpy as np
 
-from stream_processors.detectors.base import Detector
-from stream_processors.detectors.blowup import Blowup
-from stream_processors.detectors.collapse import Collapse
-from stream_processors.detectors.cusum import Cusum
-from stream_processors.detectors.ewma import EwmaResidual
-from stream_processors.detectors.nonfinite import NonFinite
-from stream_processors.detectors.page_hinkley import PageHinkley
-from stream_processors.detectors.spike import RobustSpike
-from stream_processors.detectors.stall import Stall
-from stream_processors.detectors.trend import Plateau, Trend
+from rankwatch.stream_processors.detectors.base import Detector
+from rankwatch.stream_processors.detectors.blowup import Blowup
+from rankwatch.stream_processors.detectors.collapse import Collapse
+from rankwatch.stream_processors.detectors.cusum import Cusum
+from rankwatch.stream_processors.detectors.ewma import EwmaResidual
+from rankwatch.stream_processors.detectors.nonfinite import NonFinite
+from rankwatch.stream_processors.detectors.page_hinkley import PageHinkley
+from rankwatch.stream_processors.detectors.spike import RobustSpike
+from rankwatch.stream_processors.detectors.stall import Stall
+from rankwatch.stream_processors.detectors.trend import Plateau, Trend
 
 #: Detectors an ensemble can hold: those that score one series.
 MEMBERS: dict[str, type[Detector]] = {

@@ -5,8 +5,8 @@ from typing import Any
 
 import numpy as np
 
-from stream_processors.detectors.base import Detector
-from stream_processors.detectors.scoring import (
+from rankwatch.stream_processors.detectors.base import Detector
+from rankwatch.stream_processors.detectors.scoring import (
     check_direction,
     directed,
     directed_one,

@@ -4,7 +4,7 @@ from typing import Any
 
 import numpy as np
 
-from stream_processors.detectors.base import Detector
+from rankwatch.stream_processors.detectors.base import Detector
 
 
 class NonFinite(Detector):

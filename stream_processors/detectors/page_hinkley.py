@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from stream_processors.detectors.cusum import _Accumulating
+from rankwatch.stream_processors.detectors.cusum import _Accumulating
 
 
 def _median(values: list[float]) -> float:

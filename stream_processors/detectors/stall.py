@@ -6,8 +6,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stream_processors.detectors.base import Detector
-from stream_processors.detectors.scoring import ratio_score
+from rankwatch.stream_processors.detectors.base import Detector
+from rankwatch.stream_processors.detectors.scoring import ratio_score
 
 #: Per learned gap, the remembered longest gaps decay by this factor (memory of about 1,000 gaps).
 _PEAK_DECAY = 0.999

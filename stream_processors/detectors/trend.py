@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from scipy.special import ndtr, ndtri
 
-from stream_processors.detectors.base import Detector
-from stream_processors.detectors.scoring import MAD_TO_SIGMA, check_direction, median_rows, ratio_score
+from rankwatch.stream_processors.detectors.base import Detector
+from rankwatch.stream_processors.detectors.scoring import MAD_TO_SIGMA, check_direction, median_rows, ratio_score
 
 
 class WindowTrend(NamedTuple):

@@ -1,6 +1,6 @@
 """Distributed evaluation, pure: merge eval shards into reports, test them, advise the trainers.
 
-No Kafka or Faust here (``stream_processors.eval_flows`` wires it up):
+No Kafka or Faust here (``rankwatch.stream_processors.eval_flows`` wires it up):
 
 - ``stats``: per-metric summaries with a fitting 95% CI (Wilson for 0/1, t otherwise), cross-rank
   consistency, regression between two reports, composite score.
@@ -9,11 +9,11 @@ No Kafka or Faust here (``stream_processors.eval_flows`` wires it up):
 - ``runs``: ``RunState`` / ``RunTracker``, a run's evaluations over time (key ``run``).
 """
 
-from stream_processors.evaluation.findings import Finding, RunUpdate
-from stream_processors.evaluation.progressive import IntervalAdvice, IntervalAdvisor, StopRule
-from stream_processors.evaluation.runs import RunOutput, RunState, RunTracker
-from stream_processors.evaluation.state import EvalOutput, EvalProcessor, EvalState, ShardRejected
-from stream_processors.evaluation.stats import (
+from rankwatch.stream_processors.evaluation.findings import Finding, RunUpdate
+from rankwatch.stream_processors.evaluation.progressive import IntervalAdvice, IntervalAdvisor, StopRule
+from rankwatch.stream_processors.evaluation.runs import RunOutput, RunState, RunTracker
+from rankwatch.stream_processors.evaluation.state import EvalOutput, EvalProcessor, EvalState, ShardRejected
+from rankwatch.stream_processors.evaluation.stats import (
     Comparison,
     Consistency,
     Summary,

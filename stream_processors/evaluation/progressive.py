@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stream_processors.evaluation.stats import summarize, wilson_interval
+from rankwatch.stream_processors.evaluation.stats import summarize, wilson_interval
 
 
 def _fpc(n, population: int | None):

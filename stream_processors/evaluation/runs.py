@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass, field
 
 from rankwatch.contract import Alert, Control, EvalReport
-from stream_processors.evaluation.findings import Finding, RunUpdate
-from stream_processors.evaluation.progressive import IntervalAdvisor
-from stream_processors.evaluation.stats import Summary, compare
+from rankwatch.stream_processors.evaluation.findings import Finding, RunUpdate
+from rankwatch.stream_processors.evaluation.progressive import IntervalAdvisor
+from rankwatch.stream_processors.evaluation.stats import Summary, compare
 
 
 @dataclass

@@ -25,9 +25,9 @@ import numpy as np
 from rankwatch.contract import Control, EvalReport, EvalShard, encode_float
 from rankwatch.contract.codec import decode_float
 from rankwatch.errors import RankwatchError
-from stream_processors.evaluation.findings import Finding, RunUpdate
-from stream_processors.evaluation.progressive import StopRule
-from stream_processors.evaluation.stats import composite, consistency, summarize
+from rankwatch.stream_processors.evaluation.findings import Finding, RunUpdate
+from rankwatch.stream_processors.evaluation.progressive import StopRule
+from rankwatch.stream_processors.evaluation.stats import composite, consistency, summarize
 
 #: Id lists in a report are capped at this length; the counts are exact.
 MAX_IDS = 100
