@@ -22,7 +22,7 @@ import faust
 from kafka.partitioner.default import murmur2
 
 from rankwatch import contract
-from rankwatch.contract import EvalShard
+from rankwatch.contract import EvalShard, RunUpdate
 from rankwatch.contract.topics import EVAL_RUN_EVENTS
 from rankwatch.settings import Settings
 from rankwatch.stream_processors.evaluation import (
@@ -31,7 +31,6 @@ from rankwatch.stream_processors.evaluation import (
     IntervalAdvisor,
     RunState,
     RunTracker,
-    RunUpdate,
     ShardRejected,
     StopRule,
     parse_weights,
@@ -84,7 +83,7 @@ def register(app: faust.App, settings: Settings) -> None:
         for advice in out.controls:
             await control.send(key=advice.key, value=advice.to_bytes())
         for update in out.updates:
-            await run_events.send(key=update.report.run.encode(), value=update.to_bytes())
+            await run_events.send(key=update.key, value=update.to_bytes())
 
     def check_partitioner(key: bytes, partition: int) -> None:
         # The timer writes state to hash(key) % partitions; a producer with another partitioner

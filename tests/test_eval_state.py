@@ -4,19 +4,18 @@ with an injected clock and no broker."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 
-from rankwatch.contract import EvalReport, EvalShard
+from rankwatch.contract import SCHEMA_VERSION, EvalReport, EvalShard, Finding, RunUpdate, SchemaError
 from rankwatch.stream_processors.evaluation import (
     EvalProcessor,
     EvalState,
-    Finding,
     IntervalAdvisor,
     RunState,
     RunTracker,
-    RunUpdate,
     ShardRejected,
     StopRule,
 )
@@ -286,3 +285,15 @@ def test_report_reader_keeps_the_latest_revision_of_each_evaluation():
     assert [(r.eval_id, r.revision) for r in reports] == [("e1", 3), ("e2", 2)]
     assert as_json(reports[1])["metrics"]["correct"]["mean"] == pytest.approx(_accuracy(0.9).mean())
     assert "e2  step 200  complete  rev 2" in format_table(reports)
+
+
+def test_run_update_is_a_contract_event_with_schema_and_kind():
+    bad = Finding("eval_consistency", "correct", 2, float("nan"), 0.99, "warning", "rank 2 is off")
+    update = RunUpdate(_report("e1", 100, _accuracy(0.8)), [bad], [("eval_consistency", "correct")])
+    obj = json.loads(update.to_bytes())
+    assert (obj["schema"], obj["kind"]) == (SCHEMA_VERSION, "run_update")
+    back = RunUpdate.from_bytes(update.to_bytes())
+    assert back.report == update.report and back.evaluated == update.evaluated and update.key == b"run-1"
+    assert math.isnan(back.findings[0].value) and back.findings[0].message == "rank 2 is off"
+    with pytest.raises(SchemaError, match="kind"):
+        RunUpdate.from_bytes(update.to_bytes().replace(b'"run_update"', b'"rank_signal"'))

@@ -1,17 +1,23 @@
-"""Events between the processors' stages, on ``RUN_EVENTS`` (key: run). Not for outside consumers.
+"""Events between the processors' stages (key: run). Not for outside consumers.
 
-Stage 1 is keyed by (run, rank) and scales with ranks; stage 2 is keyed by run and sees every
-rank of a run, which grouping, cross-rank comparison and stall detection need.
+On ``RUN_EVENTS``: stage 1 is keyed by (run, rank) and scales with ranks; stage 2 is keyed by run
+and sees every rank of a run, which grouping, cross-rank comparison and stall detection need.
+
+On ``EVAL_RUN_EVENTS``: an evaluation is merged where its shards land (key ``run/eval_id``), but
+alerts about a run must have one writer, so every non-provisional report travels on to the run's
+own partition as a ``RunUpdate``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 from rankwatch.contract.alerts import Alert
-from rankwatch.contract.codec import SCHEMA_VERSION, decode_any, dumps, field_of, loads
+from rankwatch.contract.codec import SCHEMA_VERSION, decode_any, decode_tree, dumps, encode_tree, field_of, loads
+from rankwatch.contract.evaluation import EvalReport
 from rankwatch.contract.telemetry import Series, decode_series, encode_series
-from rankwatch.contract.topics import RUN_EVENTS
+from rankwatch.contract.topics import EVAL_RUN_EVENTS, RUN_EVENTS
+from rankwatch.errors import SchemaError
 
 
 @dataclass(frozen=True)
@@ -80,3 +86,52 @@ def decode_run_event(data: bytes) -> RankSignal | RankProgress:
     """Either event of ``RUN_EVENTS``, by its kind."""
     kind = decode_any(data).get("kind")
     return (RankProgress if kind == RankProgress.KIND else RankSignal).from_bytes(data)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One anomalous condition seen in one evaluation; becomes an alert if it is not firing yet."""
+
+    detector: str  # eval_consistency, eval_coverage, eval_regression
+    metric: str
+    rank: int | None
+    value: float
+    score: float
+    severity: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RunUpdate:
+    """A non-provisional report, its findings, and which (detector, metric) pairs were checked:
+    a firing condition resolves only when its check ran again and found nothing."""
+
+    report: EvalReport
+    findings: list[Finding] = field(default_factory=list)
+    evaluated: list[tuple[str, str]] = field(default_factory=list)
+
+    KIND = "run_update"
+    TOPIC = EVAL_RUN_EVENTS
+
+    @property
+    def key(self) -> bytes:
+        return self.report.run.encode()
+
+    def to_bytes(self) -> bytes:
+        return dumps({
+            "schema": SCHEMA_VERSION, "kind": self.KIND,
+            "report": self.report.to_dict(),
+            "findings": [encode_tree(asdict(f)) for f in self.findings],
+            "evaluated": [list(pair) for pair in self.evaluated],
+        })
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RunUpdate:
+        obj = loads(data, cls.KIND)
+        report = EvalReport.from_bytes(dumps(field_of(obj, "report", dict)))
+        try:
+            findings = [Finding(**decode_tree(f)) for f in field_of(obj, "findings", list)]
+            evaluated = [(d, m) for d, m in field_of(obj, "evaluated", list)]
+        except (ValueError, TypeError) as exc:
+            raise SchemaError(f"invalid run update: {exc}") from None
+        return cls(report, findings, evaluated)

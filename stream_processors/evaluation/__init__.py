@@ -9,7 +9,6 @@ No Kafka or Faust here (``rankwatch.stream_processors.eval_flows`` wires it up):
 - ``runs``: ``RunState`` / ``RunTracker``, a run's evaluations over time (key ``run``).
 """
 
-from rankwatch.stream_processors.evaluation.findings import Finding, RunUpdate
 from rankwatch.stream_processors.evaluation.progressive import IntervalAdvice, IntervalAdvisor, StopRule
 from rankwatch.stream_processors.evaluation.runs import RunOutput, RunState, RunTracker
 from rankwatch.stream_processors.evaluation.state import EvalOutput, EvalProcessor, EvalState, ShardRejected
@@ -29,5 +28,4 @@ __all__ = [
     "Summary", "Consistency", "Comparison", "summarize", "consistency", "compare", "composite",
     "parse_weights", "wilson_interval", "StopRule", "IntervalAdvisor", "IntervalAdvice",
     "EvalState", "EvalProcessor", "EvalOutput", "ShardRejected", "RunState", "RunTracker", "RunOutput",
-    "Finding", "RunUpdate",
 ]

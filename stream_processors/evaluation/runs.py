@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from rankwatch.contract import Alert, Control, EvalReport
-from rankwatch.stream_processors.evaluation.findings import Finding, RunUpdate
+from rankwatch.contract.internal import Finding, RunUpdate
 from rankwatch.stream_processors.evaluation.progressive import IntervalAdvisor
 from rankwatch.stream_processors.evaluation.stats import Summary, compare
 
