@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator, Mapping
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
-from rankwatch.admin import ensure_topics
 
 
 def read_topic(
@@ -28,6 +27,8 @@ def read_topic(
 ) -> Iterator[ConsumerRecord]:
     """Yield the topic's records in per-partition order; stop when caught up unless ``follow``.
 
+    A topic that does not exist yet has nothing to read; a reader that follows waits for it.
+
     ``offsets`` (partition -> next offset) resumes where an earlier reader stopped; partitions
     not in it start at the beginning or the end as ``from_beginning`` says. ``stop()`` is asked
     after every poll (``poll_ms``): a reader that follows ends cleanly when it says True.
@@ -38,12 +39,20 @@ def read_topic(
         auto_offset_reset="earliest" if from_beginning else "latest",
         fetch_max_wait_ms=50,  # a reader is interactive; on Tansu this also bounds the added latency
         client_id="rankwatch-reader",
+        allow_auto_create_topics=False,
     )
+    deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
+
+    def more() -> bool:
+        return (deadline is None or time.monotonic() < deadline) and not (stop is not None and stop())
+
     try:
-        partitions = consumer.partitions_for_topic(topic)
-        if not partitions:
-            ensure_topics(bootstrap, 1, (topic,))  # rankwatch topics only; callers validate the name
-            partitions = consumer.partitions_for_topic(topic) or {0}
+        # A reader never creates a topic: one made here would have the wrong partition count for
+        # good (only the workers create topics, with the configured count).
+        while not (partitions := consumer.partitions_for_topic(topic)):
+            if not (follow and more()):
+                return
+            time.sleep(0.5)
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         if from_beginning:
@@ -53,8 +62,7 @@ def read_topic(
         for tp in tps:
             if offsets and tp.partition in offsets:
                 consumer.seek(tp, offsets[tp.partition])
-        deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
-        while (deadline is None or time.monotonic() < deadline) and not (stop is not None and stop()):
+        while more():
             got = consumer.poll(timeout_ms=poll_ms)
             for tp in tps:
                 yield from got.get(tp, ())

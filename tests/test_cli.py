@@ -150,3 +150,18 @@ def test_broker_start_fails_clearly_without_a_binary(monkeypatch, tmp_path):
     monkeypatch.setenv("CALF_TANSU_BIN", str(tmp_path / "missing-tansu"))
     with pytest.raises(BrokerError, match="no Tansu broker binary"):
         EmbeddedBroker(port=free_port()).start()
+
+
+@pytest.mark.broker
+def test_tail_before_any_worker_creates_no_topic():
+    # A one-partition topic made by a reader would cap the system at one worker for good.
+    from kafka import KafkaAdminClient
+
+    with EmbeddedBroker(port=free_port()) as broker:
+        result = _cli("tail", contract.TELEMETRY, "--bootstrap", broker.bootstrap)
+        assert result.returncode == 0, result.stderr
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        try:
+            assert contract.TELEMETRY not in admin.list_topics()
+        finally:
+            admin.close()
