@@ -16,6 +16,9 @@ such evidence the alert is about the whole run.
 
 The state lives in memory: it changes with every batch of every rank, and after a restart a few
 steps of warm-up rebuild it.
+
+Silences are measured on an :class:`OutageClock`, which stops while the worker cannot reach the
+broker: then no rank can reach it either, and a rank's silence says nothing about the rank.
 """
 
 from __future__ import annotations
@@ -41,6 +44,47 @@ MIN_BLOCKED_S = 1.0
 SILENT_FRACTION = 0.75
 
 
+class OutageClock:
+    """Wall time with the broker's outages taken out: the clock stall silences are measured on.
+
+    ``away(now)`` (the worker lost the broker) stops it; after ``back(now)`` it runs again from
+    the first message heard, or ``grace_s`` after the return if none comes (ranks' shippers retry
+    with a back-off of up to 5 s, so their spooled steps arrive a few seconds after the broker
+    does). A rank that is really stuck still stalls, only later by the outage's length.
+    """
+
+    def __init__(self, *, grace_s: float = 10.0):
+        if grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
+        self.grace_s = grace_s
+        self.paused_s = 0.0  # outage time taken out so far
+        self.stopped_at: float | None = None  # wall time the clock stopped, while stopped
+        self.back_at: float | None = None  # wall time the broker returned, while waiting for a message
+
+    def away(self, now: float) -> None:
+        if self.stopped_at is None:
+            self.stopped_at = now
+        self.back_at = None
+
+    def back(self, now: float) -> None:
+        if self.stopped_at is not None and self.back_at is None:
+            self.back_at = now
+
+    def heard(self, now: float) -> None:
+        """A message arrived; once the broker is back, that restarts the clock."""
+        if self.back_at is not None:
+            self._restart(now)
+
+    def read(self, now: float) -> float:
+        if self.back_at is not None and now >= self.back_at + self.grace_s:
+            self._restart(self.back_at + self.grace_s)
+        return (now if self.stopped_at is None else self.stopped_at) - self.paused_s
+
+    def _restart(self, at: float) -> None:
+        self.paused_s += max(at - self.stopped_at, 0.0)
+        self.stopped_at = self.back_at = None
+
+
 @dataclass
 class _Track:
     """One cross-rank metric of one run."""
@@ -60,8 +104,9 @@ class RunWatch:
     stall: Stall | None = None
     stall_conditions: dict[int | None, Condition] = field(default_factory=dict)
     last_step: dict[int, int] = field(default_factory=dict)
-    heard: dict[int, float] = field(default_factory=dict)  # rank -> arrival time of its last batch
-    waits: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (collective wait, when heard)
+    # Both on the outage clock: rank -> arrival time of its last batch; rank -> (collective wait, when heard)
+    heard: dict[int, float] = field(default_factory=dict)
+    waits: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,11 +114,15 @@ class RunWatcher:
     rules: Rules
     row_wait_s: float = 5.0
     max_rows: int = 256  # rows kept waiting per metric; older ones are scored with what they have
+    # Shared by every run of the worker; the worker's broker watch stops and starts it.
+    outages: OutageClock = field(default_factory=OutageClock)
 
     def observe(self, watch: RunWatch, progress: RankProgress, now: float) -> list[Alert]:
         """Apply one rank's progress; return the per-rank transitions it completes."""
         watch.world_size = max(watch.world_size, progress.world_size)
-        watch.heard[progress.rank] = now
+        self.outages.heard(now)
+        clock = self.outages.read(now)  # silences are measured on this one
+        watch.heard[progress.rank] = clock
         newer = progress.last_step > watch.last_step.get(progress.rank, -1)
         if progress.final:
             # Recording its last step means a stray later heartbeat at that step is no sign of life;
@@ -86,12 +135,12 @@ class RunWatcher:
             if self.rules.stall is not None:
                 if watch.stall is None:
                     watch.stall = self.rules.stall.build()
-                watch.stall.observe(progress.rank, now)  # arrival time: producer clocks may be skewed
+                watch.stall.observe(progress.rank, clock)  # arrival time: producer clocks may be skewed
         alerts: list[Alert] = []
         for metric, series in progress.series.items():
             if metric == COLLECTIVE_WAIT:
                 if len(series.values):
-                    watch.waits[progress.rank] = (float(series.values[-1]), now)
+                    watch.waits[progress.rank] = (float(series.values[-1]), clock)
                 continue
             rule = self.rules.cross_rank_rule(metric)
             if rule is None:
@@ -111,7 +160,7 @@ class RunWatcher:
         for metric, track in watch.tracks.items():
             alerts += self._score_ready(watch, metric, track, now)
         if watch.stall is not None and self.rules.stall is not None:
-            stalled, cause, why = self._stalls(watch, watch.stall, now)
+            stalled, cause, why = self._stalls(watch, watch.stall, self.outages.read(now))
             run_step = max(watch.last_step.values(), default=-1)
             rule = self.rules.stall
             policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)

@@ -1,0 +1,58 @@
+"""An outage of the broker is no stall: the OutageClock and the RunWatcher that measures silences on it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rankwatch.contract import RankProgress
+from rankwatch.stream_processors.rules import default_rules
+from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher
+
+
+def _step(rank: int, step: int) -> RankProgress:
+    return RankProgress(run="r", rank=rank, world_size=2, last_step=step, ts=0.0, series={})
+
+
+def _paced_run(watcher: RunWatcher, watch: RunWatch, steps: range) -> list:
+    """Two ranks stepping once a second (wall time = step), long enough to learn the pace."""
+    return [a for s in steps for r in (0, 1) for a in watcher.observe(watch, _step(r, s), now=float(s))]
+
+
+def test_the_clock_stops_while_away_and_runs_again_at_the_first_message_back():
+    clock = OutageClock(grace_s=10.0)
+    assert clock.read(5.0) == 5.0
+    clock.away(10.0)
+    assert clock.read(40.0) == 10.0
+    clock.back(40.0)
+    assert clock.read(43.0) == 10.0  # back, but no one heard yet: the ranks' shippers are retrying
+    clock.heard(43.0)
+    assert clock.read(45.0) == 12.0
+    clock.away(50.0)
+    clock.back(52.0)
+    assert clock.read(70.0) == 17.0 + 8.0  # nobody came within the grace: it runs from back + grace (62)
+    with pytest.raises(ValueError):
+        OutageClock(grace_s=-1.0)
+
+
+def test_a_broker_outage_raises_no_stall_and_a_real_stall_after_it_still_fires():
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    assert _paced_run(watcher, watch, range(40)) == []
+    watcher.outages.away(40.5)  # the broker goes at t=40; the worker's watch notices half a second later
+    quiet = [a for t in range(41, 80) for a in watcher.tick(watch, float(t))]
+    assert quiet == [], quiet  # 39 s without a step, all of it while the broker was away
+    watcher.outages.back(80.0)
+    # The ranks' spooled steps arrive two seconds after the broker, and the run goes on.
+    assert _paced_run(watcher, watch, range(82, 100)) == []
+    assert [a for t in np.arange(100, 105, 0.5) for a in watcher.tick(watch, float(t))] == []
+    # Now the job really stops, with the broker up: a stall, as before.
+    fired = [a for t in range(100, 140) for a in watcher.tick(watch, float(t))]
+    assert [(a.rank, a.status, a.metric) for a in fired] == [(None, "firing", "steps")], fired
+
+
+def test_without_the_outage_clock_stopping_the_same_silence_is_a_stall():
+    # The control: what the first test would see if the worker had not noticed the broker was away.
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    _paced_run(watcher, watch, range(40))
+    fired = [a for t in range(41, 80) for a in watcher.tick(watch, float(t))]
+    assert [(a.rank, a.status) for a in fired] == [(None, "firing")], fired
