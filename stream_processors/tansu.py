@@ -38,6 +38,10 @@ async def true_end_offsets(bootstrap: str | list[str], reported: Mapping[TP, int
     The high watermark in a Fetch response is right, so fetch from just before the reported offset
     (inside the last batch) and read it. Faust uses end offsets to know when a table's changelog
     recovery is complete; with the wrong ones it stops early and loses the latest state.
+
+    Where a Fetch answered, its high watermark wins even when it is *lower*: a restarted broker was
+    seen answering ListOffsets 1 for a partition a Fetch shows empty, and recovery then waited
+    forever for an offset that never comes.
     """
     nonempty = {tp: off for tp, off in reported.items() if off > 0}
     if not nonempty:
@@ -61,7 +65,7 @@ async def true_end_offsets(bootstrap: str | list[str], reported: Mapping[TP, int
             log.warning("no high watermark for %s within %.0fs; using ListOffsets' (possibly low) answer", unknown, timeout_s)
     finally:
         await probe.stop()
-    return {tp: max(off, fixed.get(tp) or off) for tp, off in reported.items()}
+    return {tp: off if fixed.get(tp) is None else fixed[tp] for tp, off in reported.items()}
 
 
 class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):

@@ -75,6 +75,20 @@ def test_true_end_offsets_corrects_list_offsets(bootstrap):
     assert {tp.partition: off for tp, off in fixed.items()} == truth, f"reported {reported}"
 
 
+def test_true_end_offsets_trusts_the_fetch_when_list_offsets_overstates(bootstrap):
+    """A restarted broker answered ListOffsets 1 for changelog partitions a Fetch showed empty (issue 15):
+    taking the larger of the two left table recovery waiting forever for an offset that never comes."""
+    topic = _unique("tansu-over")
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    try:
+        admin.create_topics([NewTopic(topic, 1, 1)])
+    finally:
+        admin.close()
+    tp = TP(topic, 0)
+    fixed = asyncio.run(tansu.true_end_offsets(bootstrap, {tp: 1}))  # what the restarted broker said
+    assert fixed == {tp: 0}
+
+
 def test_faust_highwaters_use_true_end_offsets_on_tansu_transport(bootstrap, tmp_path):
     """Faust's table recovery asks ConsumerThread.highwaters(); the tansu thread must answer the truth,
     where the stock aiokafka thread passes the wrong ListOffsets answer through."""
