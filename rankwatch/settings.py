@@ -1,6 +1,11 @@
 """Process settings: built once at the entry point from flags and ``RANKWATCH_*``, then passed down.
 
-Library code never reads the environment; only :meth:`Settings.from_env` does.
+:meth:`Settings.from_env` reads these settings from the environment; code below the entry points
+takes them as arguments. A few places read the environment themselves, each for what it names:
+``RankPublisher.from_env`` (the run id from ``RANKWATCH_RUN`` or ``TORCHELASTIC_RUN_ID``, and these
+settings), the rank identity that ``RankPublisher`` and the eval sampler fall back on when not given
+one (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), the CLI (the webhook's URL and token), and the
+plumbing between a supervisor and its workers and between a publisher and its shipper.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class StopRule:
     population correction sqrt((N - n) / (N - 1)): the last samples of a fixed set add less and
     less. Two guards keep it from stopping on luck: the Wilson interval, which stays wide near 0
     and 1 where a Wald interval collapses to nothing, and ``min_samples``. Samples must arrive in
-    random order (the sampler shuffles), or the early mean is biased whatever its CI says.
+    random order (the eval sampler keeps index order: shuffle a sorted validation set once
+    beforehand), or the early mean is biased whatever its CI says.
 
     >>> rule = StopRule(target=0.02, min_samples=100)
     >>> values = np.r_[np.ones(900), np.zeros(100)]
