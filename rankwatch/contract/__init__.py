@@ -5,6 +5,9 @@ JSON has no NaN or infinity, and a NaN is exactly what an alert must be able to 
 floats travel as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (the names JavaScript and
 Python's ``float()`` both read back). Any Kafka client can decode every rankwatch event.
 
+A message (key plus value) is at most ``MAX_MESSAGE_BYTES``: publishers refuse a larger one with
+``MessageTooLarge``, and workers dead-letter one without decoding it. Integers are int64.
+
 Telemetry is batched: one message carries many steps of many metrics of one rank, column-wise
 (``series[name] = {"steps": [...], "values": [...]}``), because per-message overhead, not per-value
 work, dominates Kafka throughput. ``seq`` numbers the messages of one producer incarnation
@@ -13,7 +16,10 @@ work, dominates Kafka throughput. ``seq`` numbers the messages of one producer i
 
 from rankwatch.contract.alerts import SEVERITIES, STATUSES, Alert
 from rankwatch.contract.codec import (
+    MAX_MESSAGE_BYTES,
     SCHEMA_VERSION,
+    MessageTooLarge,
+    check_size,
     decode_any,
     decode_float,
     encode_float,
@@ -49,7 +55,8 @@ from rankwatch.contract.topics import (
 from rankwatch.errors import SchemaError
 
 __all__ = [
-    "SCHEMA_VERSION", "TOPICS", "TELEMETRY", "EVAL_SHARDS", "ALERTS", "REPORTS", "CONTROL", "DEADLETTER",
+    "SCHEMA_VERSION", "MAX_MESSAGE_BYTES", "MessageTooLarge", "check_size",
+    "TOPICS", "TELEMETRY", "EVAL_SHARDS", "ALERTS", "REPORTS", "CONTROL", "DEADLETTER",
     "STATUSES", "SEVERITIES", "CONTROL_ACTIONS", "SchemaError",
     "Series", "TelemetryBatch", "Rollup", "Alert", "DeadLetter", "EvalShard", "EvalReport", "Control",
     "RankSignal", "RankProgress", "RunUpdate", "Finding", "decode_run_event", "RUN_EVENTS", "INTERNAL_TOPICS",

@@ -13,6 +13,7 @@ from rankwatch.contract.codec import (
     field_of,
     float_field,
     loads,
+    ts_field,
 )
 from rankwatch.contract.topics import ALERTS
 from rankwatch.errors import SchemaError
@@ -62,7 +63,7 @@ class Alert:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["value"] = encode_float(self.value)
+        d["value"], d["score"] = encode_float(self.value), encode_float(self.score)
         d["ranks"] = list(self.ranks)
         return {"schema": SCHEMA_VERSION, "kind": self.KIND, **d}
 
@@ -87,7 +88,7 @@ class Alert:
             step=field_of(obj, "step", int),
             value=float_field(obj, "value"),
             message=field_of(obj, "message", str),
-            ts=float(field_of(obj, "ts", (int, float))),
+            ts=ts_field(obj),
             score=float_field(obj, "score", 1.0),
             incident=field_of(obj, "incident", int) if "incident" in obj else 0,
             ranks=_ranks(obj),

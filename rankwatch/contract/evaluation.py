@@ -16,7 +16,9 @@ from rankwatch.contract.codec import (
     encode_tree,
     field_of,
     float_field,
+    int64_array,
     loads,
+    ts_field,
 )
 from rankwatch.contract.topics import CONTROL, EVAL_SHARDS, REPORTS
 from rankwatch.errors import SchemaError
@@ -75,8 +77,7 @@ class EvalShard:
         if not 0 <= rank < world_size:
             raise SchemaError(f"rank {rank} outside world_size {world_size}")
         ids = field_of(obj, "sample_ids", list)
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise SchemaError("sample_ids must be integers")
+        sample_ids = int64_array(ids, "sample_ids")
         metrics = {}
         for name, values in field_of(obj, "metrics", dict).items():
             if not isinstance(values, list) or len(values) != len(ids):
@@ -85,8 +86,8 @@ class EvalShard:
         return cls(
             run=field_of(obj, "run", str), eval_id=field_of(obj, "eval_id", str), step=field_of(obj, "step", int),
             rank=rank, world_size=world_size, chunk=field_of(obj, "chunk", int), last=field_of(obj, "last", bool),
-            sample_ids=np.asarray(ids, dtype=np.int64), metrics=metrics,
-            ts=float(field_of(obj, "ts", (int, float))),
+            sample_ids=sample_ids, metrics=metrics,
+            ts=ts_field(obj),
             dataset_size=field_of(obj, "dataset_size", int, nullable=True) if "dataset_size" in obj else None,
         )
 
@@ -180,5 +181,5 @@ class Control:
         return cls(
             run=field_of(obj, "run", str), action=field_of(obj, "action", str),
             eval_id=field_of(obj, "eval_id", str, nullable=True), reason=field_of(obj, "reason", str),
-            value=None if value is None else float_field(obj, "value"), ts=float(field_of(obj, "ts", (int, float))),
+            value=None if value is None else float_field(obj, "value"), ts=ts_field(obj),
         )

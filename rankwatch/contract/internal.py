@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from rankwatch.contract.alerts import Alert
-from rankwatch.contract.codec import SCHEMA_VERSION, decode_any, decode_tree, dumps, encode_tree, field_of, loads
+from rankwatch.contract.codec import (
+    SCHEMA_VERSION, decode_any, decode_tree, dumps, encode_tree, field_of, loads, ts_field,
+)
 from rankwatch.contract.evaluation import EvalReport
 from rankwatch.contract.telemetry import Series, decode_series, encode_series
 from rankwatch.contract.topics import EVAL_RUN_EVENTS, RUN_EVENTS
@@ -77,7 +79,7 @@ class RankProgress:
         return cls(
             run=field_of(obj, "run", str), rank=field_of(obj, "rank", int),
             world_size=field_of(obj, "world_size", int), last_step=field_of(obj, "last_step", int),
-            ts=float(field_of(obj, "ts", (int, float))), series=decode_series(field_of(obj, "series", dict)),
+            ts=ts_field(obj), series=decode_series(field_of(obj, "series", dict)),
             final=field_of(obj, "final", bool) if "final" in obj else False,
         )
 

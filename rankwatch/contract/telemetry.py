@@ -13,7 +13,9 @@ from rankwatch.contract.codec import (
     encode_float,
     field_of,
     float_field,
+    int64_array,
     loads,
+    ts_field,
 )
 from rankwatch.contract.topics import REPORTS, TELEMETRY
 from rankwatch.errors import SchemaError
@@ -57,10 +59,8 @@ def decode_series(raw_series: dict) -> dict[str, Series]:
         steps, values = field_of(raw, "steps", list), field_of(raw, "values", list)
         if len(steps) != len(values):
             raise SchemaError(f"series {name!r}: {len(steps)} steps but {len(values)} values")
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
-            raise SchemaError(f"series {name!r}: steps must be integers")
         series[name] = Series(
-            steps=np.asarray(steps, dtype=np.int64),
+            steps=int64_array(steps, f"series {name!r}: steps"),
             values=np.fromiter((decode_float(v) for v in values), dtype=np.float64, count=len(values)),
         )
     return series
@@ -116,7 +116,7 @@ class TelemetryBatch:
             producer=field_of(obj, "producer", str),
             seq=field_of(obj, "seq", int),
             final=field_of(obj, "final", bool) if "final" in obj else False,
-            ts=float(field_of(obj, "ts", (int, float))),
+            ts=ts_field(obj),
             series=series,
         )
 
@@ -159,7 +159,7 @@ class Rollup:
             if name in floats:
                 kwargs[name] = float_field(obj, name)
             elif name == "ts":
-                kwargs[name] = float(field_of(obj, name, (int, float)))
+                kwargs[name] = ts_field(obj, name)
             else:
                 kwargs[name] = field_of(obj, name, str if name in ("run", "metric") else int)
         return cls(**kwargs)
