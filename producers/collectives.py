@@ -5,7 +5,9 @@ Two sources feed one ``CollectiveTimer``:
 - the ``torch.distributed`` functions code calls by module attribute (``dist.all_reduce(...)``,
   FSDP's and DeepSpeed's calls), wrapped once per process by ``install()``;
 - DDP's gradient all-reduce, which bypasses those functions, through a DDP communication hook
-  (``time_ddp``) that runs the default all-reduce and times each bucket.
+  (``time_ddp``) that runs the default all-reduce and times each bucket. Trainers (Hugging Face,
+  Lightning) often hand callbacks the model *inside* the wrapper; ``watch_ddp`` then finds the
+  wrapper at the model's first forward, which DDP runs with itself marked as the active module.
 
 A collective on CPU tensors (gloo) is timed on the host, from the call until its future completes.
 One on CUDA tensors is timed on the device, with CUDA events on the caller's stream, read later by
@@ -172,6 +174,34 @@ class CollectiveTimer:
     def stop(self) -> None:
         if self in _TIMERS:
             _TIMERS.remove(self)
+
+    def watch_ddp(self, model: Any) -> Any:
+        """Time the all-reduce of the DDP wrapper of ``model``, whether ``model`` is that wrapper or
+        the module inside it; returns a handle to ``remove()`` (or None).
+
+        Only the wrapper knows the module, not the other way round, so for the inner module a
+        forward pre-hook asks DDP which wrapper is running the forward (it marks itself active
+        for exactly that, for torch.compile), registers the comm hook there, and removes itself.
+        That first forward comes before the first backward, which is when DDP needs its comm hook.
+        """
+        ddp = torch.nn.parallel.DistributedDataParallel
+        if isinstance(model, ddp):
+            self.time_ddp(model)
+            return None
+        active = getattr(ddp, "_get_active_ddp_module", None)
+        if active is None or not isinstance(model, torch.nn.Module):
+            return None  # a torch without it: only the torch.distributed functions are timed
+
+        def probe(module: Any, args: Any) -> None:
+            wrapper = active()
+            if wrapper is None and not (module.training and torch.is_grad_enabled()):
+                return  # an evaluation forward outside DDP: the training one will tell
+            handle.remove()
+            if wrapper is not None:
+                self.time_ddp(wrapper)
+
+        handle = model.register_forward_pre_hook(probe)
+        return handle
 
     def time_ddp(self, model: Any) -> bool:
         """Time a DDP model's gradient all-reduce with a comm hook that runs the default all-reduce.

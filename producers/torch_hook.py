@@ -134,11 +134,12 @@ class TrainerHook:
         self._restore: list[Callable[[], None]] = []
 
         self._timer: CollectiveTimer | None = None
+        self._ddp_probe: Any = None
         if time_collectives and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._timer = CollectiveTimer()
             self._timer.start()
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-                self._timer.time_ddp(model)
+            # DDP's all-reduce is timed whether the model given is the DDP wrapper or the module in it.
+            self._ddp_probe = self._timer.watch_ddp(model)
             publisher.add_sampler(self._timer.sample)
         self._timing = self._timer is not None  # each step takes the waits measured (see ``_take_facts``)
         device = next((p.device for p in model.parameters()), None)
@@ -221,6 +222,8 @@ class TrainerHook:
             restore()
         if self._timer is not None:
             self._timer.stop()
+        if self._ddp_probe is not None:
+            self._ddp_probe.remove()
         self._handles, self._restore, self._pre, self._attached = [], [], None, False
 
     # -- step boundaries (hooked into the optimizer, or called by an adapter) --------------------

@@ -49,8 +49,13 @@ class RankwatchCallback(Callback):
             self.publisher = RankPublisher.from_env(
                 rank=trainer.global_rank, world_size=trainer.world_size, local_rank=trainer.local_rank
             )
+        # Under DDP the strategy's model is the wrapper: the hook times its gradient all-reduce there
+        # (Lightning runs ``training_step``, not the module's forward, so the hook could not find it).
+        model = trainer.strategy.model
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = pl_module
         self.hook = TrainerHook(
-            pl_module, trainer.optimizers[0], self.publisher, start_step=trainer.global_step, attach=False,
+            model, trainer.optimizers[0], self.publisher, start_step=trainer.global_step, attach=False,
             **self.hook_options,
         )
 
