@@ -9,8 +9,6 @@ from test_telemetry import read_series
 
 from rankwatch.producers import RankPublisher
 
-pytestmark = pytest.mark.broker
-
 STEPS = 4
 
 
@@ -27,6 +25,7 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": mask, "labels": ids}
 
 
+@pytest.mark.broker
 @pytest.mark.parametrize("device", DEVICES)
 def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id, tmp_path, device):
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -72,6 +71,7 @@ def test_huggingface_trainer_publishes_every_step_and_its_logs(bootstrap, run_id
     assert dict(got[(0, "samples_per_s")]) == pytest.approx({s: 4 / t for s, t in times.items()})
 
 
+@pytest.mark.broker
 @pytest.mark.filterwarnings("ignore:.*LeafSpec")  # raised inside lightning 2.6 under torch 2.13
 @pytest.mark.parametrize("device", DEVICES)
 def test_lightning_trainer_publishes_every_optimizer_step(bootstrap, run_id, device):
@@ -124,3 +124,81 @@ def test_lightning_trainer_publishes_every_optimizer_step(bootstrap, run_id, dev
     assert [v for _, v in got[(0, "lr")]] == [0.1] * STEPS
     times = dict(got[(0, "step_time_s")])
     assert dict(got[(0, "samples_per_s")]) == pytest.approx({s: 8 / t for s, t in times.items()})
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+@pytest.mark.broker
+def test_huggingface_trainer_without_a_run_id_trains_to_the_end_under_its_run_name(
+        bootstrap, run_id, tmp_path, monkeypatch, caplog):
+    from transformers import Trainer, TrainingArguments
+
+    from rankwatch.producers.adapters.huggingface import RankwatchCallback
+
+    monkeypatch.delenv("RANKWATCH_RUN", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("RANKWATCH_BOOTSTRAP", bootstrap)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, run_name=run_id)
+    callback = RankwatchCallback(every=1)
+    trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=_Tokens(), callbacks=[callback])
+    trainer.train()
+    assert trainer.state.global_step == STEPS
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("rankwatch")]
+    assert len(warnings) == 1 and "RANKWATCH_RUN is not set" in warnings[0] and run_id in warnings[0]
+    got = read_series(bootstrap, run_id, 1)  # published under the trainer's run name
+    assert [s for s, _ in got[(0, "loss")]][:1] == [1]
+
+
+class _BrokenPublisher:
+    """A publisher whose every call fails, as a bug in rankwatch would."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"rankwatch bug in {name}")
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec")
+@pytest.mark.parametrize("trainer", ["huggingface", "lightning"])
+def test_a_failing_rankwatch_never_stops_training(trainer, tmp_path, caplog):
+    if trainer == "huggingface":
+        from transformers import Trainer, TrainingArguments
+
+        from rankwatch.producers.adapters.huggingface import RankwatchCallback
+
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS,
+                                 report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+        hf = Trainer(model=_tiny_gpt2(), args=args, train_dataset=_Tokens(),
+                     callbacks=[RankwatchCallback(_BrokenPublisher())])
+        hf.train()
+        steps = hf.state.global_step
+    else:
+        import lightning.pytorch as L
+
+        from rankwatch.producers.adapters.lightning import RankwatchCallback
+
+        class Regression(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(8, 1)
+
+            def training_step(self, batch, batch_idx):
+                return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+        pl = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, enable_checkpointing=False, logger=False,
+                       enable_progress_bar=False, enable_model_summary=False,
+                       callbacks=[RankwatchCallback(_BrokenPublisher())])
+        pl.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=8))
+        steps = pl.global_step
+    assert steps == STEPS
+    failures = [r for r in caplog.records if "monitoring is off" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from rankwatch.producers.adapters import batch_size, release
+from rankwatch.producers.adapters import batch_size, guarded, publisher_from_env, release
 from rankwatch.producers.publisher import RankPublisher
 from rankwatch.producers.torch_hook import TrainerHook
 
@@ -31,7 +31,9 @@ class RankwatchCallback(TrainerCallback):
     """Publishes a Trainer's steps and logs. ``hook_options`` go to ``TrainerHook``.
 
     With no ``publisher``, one is made with ``RankPublisher.from_env()`` when training starts and
-    closed when it ends; a given publisher is flushed at the end and left open.
+    closed when it ends (without ``RANKWATCH_RUN`` the run is ``args.run_name``, else a timestamp);
+    a given publisher is flushed at the end and left open. Nothing here ever stops training: a
+    failure is logged once and monitoring stops.
     """
 
     def __init__(self, publisher: RankPublisher | None = None, **hook_options: Any):
@@ -42,16 +44,19 @@ class RankwatchCallback(TrainerCallback):
         self._forward_handle = None
         self._loss_seen = False
 
+    @guarded
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.publisher is None:
-            self.publisher = RankPublisher.from_env()
+            self.publisher = publisher_from_env(args.run_name)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         self.hook = TrainerHook(
             model, inner, self.publisher, start_step=state.global_step + 1, attach=False,
             publish_grad_norm=False, **self.hook_options,
         )
+        # The module inside DDP's wrapper: the hook finds the wrapper at the first forward.
         self._forward_handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
+    @guarded
     def _on_forward(self, module, args, kwargs, output) -> None:
         if not module.training or self.hook is None:
             return  # evaluation forwards are not training steps
@@ -64,19 +69,23 @@ class RankwatchCallback(TrainerCallback):
         tokens = mask.sum() if isinstance(mask, torch.Tensor) else ids.numel() if isinstance(ids, torch.Tensor) else None
         self.hook.set_loss(loss, samples=samples, tokens=tokens)
 
+    @guarded
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.hook is not None:
             self.hook.before_step()
 
+    @guarded
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.hook is not None:
             self.hook.after_step()
 
+    @guarded
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         if self.hook is not None:
             skipped = getattr(optimizer, "step_was_skipped", None)
             self.hook.end_step(state.global_step, skipped=None if skipped is None else float(skipped))
 
+    @guarded
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.publisher is None or not logs:
             return
@@ -86,11 +95,17 @@ class RankwatchCallback(TrainerCallback):
         if numbers:
             self.publisher.log(numbers, state.global_step)
 
+    @guarded
     def on_train_end(self, args, state, control, **kwargs):
+        self._switch_off()
+
+    def _switch_off(self) -> None:
+        """Let go of the model, the hook and a publisher we made (end of training, or a failure)."""
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None
-        release(self.hook, self.publisher, self._owns_publisher)
-        self.hook = None
+        hook, self.hook = self.hook, None
+        publisher = self.publisher
         if self._owns_publisher:
             self.publisher = None
+        release(hook, publisher, self._owns_publisher)

@@ -24,7 +24,7 @@ try:
 except ImportError:  # the standalone package, same API
     from pytorch_lightning import Callback
 
-from rankwatch.producers.adapters import batch_size, release
+from rankwatch.producers.adapters import batch_size, guarded, publisher_from_env, release
 from rankwatch.producers.publisher import RankPublisher
 from rankwatch.producers.torch_hook import TrainerHook
 
@@ -33,8 +33,9 @@ class RankwatchCallback(Callback):
     """Publishes a Lightning Trainer's optimizer steps. ``hook_options`` go to ``TrainerHook``.
 
     With no ``publisher``, one is made with ``RankPublisher.from_env()`` (rank, world size and
-    local rank from the Trainer) when training starts and closed when it ends; a given publisher
-    is flushed at the end and left open.
+    local rank from the Trainer; without ``RANKWATCH_RUN``, a timestamp run id) when training
+    starts and closed when it ends; a given publisher is flushed at the end and left open.
+    Nothing here ever stops training: a failure is logged once and monitoring stops.
     """
 
     def __init__(self, publisher: RankPublisher | None = None, **hook_options: Any):
@@ -44,9 +45,10 @@ class RankwatchCallback(Callback):
         self._owns_publisher = publisher is None
         self._stepped = False
 
+    @guarded
     def on_train_start(self, trainer, pl_module) -> None:
         if self.publisher is None:
-            self.publisher = RankPublisher.from_env(
+            self.publisher = publisher_from_env(
                 rank=trainer.global_rank, world_size=trainer.world_size, local_rank=trainer.local_rank
             )
         # Under DDP the strategy's model is the wrapper: the hook times its gradient all-reduce there
@@ -59,11 +61,13 @@ class RankwatchCallback(Callback):
             **self.hook_options,
         )
 
+    @guarded
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.hook is not None and not self._stepped:
             self.hook.before_step()
             self._stepped = True
 
+    @guarded
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.hook is None:
             return
@@ -77,8 +81,14 @@ class RankwatchCallback(Callback):
             self.hook.log_stats({k: v for k, v in metrics.items() if isinstance(v, (torch.Tensor, int, float))})
             self.hook.end_step()
 
+    @guarded
     def on_train_end(self, trainer, pl_module) -> None:
-        release(self.hook, self.publisher, self._owns_publisher)
-        self.hook = None
+        self._switch_off()
+
+    def _switch_off(self) -> None:
+        """Let go of the hook and a publisher we made (end of training, or a failure)."""
+        hook, self.hook = self.hook, None
+        publisher = self.publisher
         if self._owns_publisher:
             self.publisher = None
+        release(hook, publisher, self._owns_publisher)
