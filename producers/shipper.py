@@ -44,6 +44,7 @@ CONFIG_ENV = "RANKWATCH_PRODUCER_CONFIG"
 _IDLE_S = 1.0  # with no wake-up: how often the shipper looks for data and for its parent
 _MAX_BACKOFF_S = 5.0
 _ROUND_BYTES = 4 << 20  # sent, then awaited as one round
+_REMIND_S = 30.0  # a failure that lasts is said again after 30 s, then 60 s, 120 s… (at most hourly)
 
 
 def kafka_config(bootstrap: str, connect_timeout_s: float, overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -78,6 +79,8 @@ class Shipper:
         self.parent = os.getppid()
         self.closing_at: float | None = None if wake_fd is not None else time.monotonic()
         self._producer = None
+        self._reached = False  # whether the user was told that the broker took a message
+        self._remind_at, self._remind_s = 0.0, _REMIND_S
         self._selector = selectors.DefaultSelector()
         if wake_fd is not None:
             self._selector.register(wake_fd, selectors.EVENT_READ)
@@ -167,6 +170,10 @@ class Shipper:
         self.status.error = ""
         write_status(self.directory, self.status)
         self.reader.release(self.status.shipped)
+        if not self._reached:  # one line that says publishing works (stderr is the training process's)
+            self._reached = True
+            log.info("rankwatch shipper: the broker at %s took the first messages of %s",
+                     self.config["bootstrap_servers"], self.directory.name)
         return True
 
     def _failed(self, exc: BaseException | None) -> bool:
@@ -177,9 +184,15 @@ class Shipper:
         return False
 
     def _report(self, exc: BaseException | None) -> None:
-        if self.status.error != str(exc):
+        # Each new failure at once; one that lasts again after a growing gap, so a wrong bootstrap
+        # is neither silent nor a line every retry.
+        now, changed = time.monotonic(), self.status.error != str(exc)
+        if changed or now >= self._remind_at:
+            self._remind_s = _REMIND_S if changed else min(2 * self._remind_s, 3600.0)
+            self._remind_at = now + self._remind_s
             log.warning("rankwatch shipper: delivery to %s failed (%s); retrying",
                         self.config["bootstrap_servers"], exc)
+        if changed:
             self.status.error = str(exc)
             write_status(self.directory, self.status)
 

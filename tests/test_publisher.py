@@ -254,3 +254,50 @@ def test_deferred_points_are_built_on_the_sender_thread_in_order_and_a_failing_o
     batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, count=stats.sent)
     loss = [s["loss"] for b in sorted(batches, key=lambda b: b["seq"]) if "loss" in (s := b["series"])]
     assert [(st, v) for s in loss for st, v in zip(s["steps"], s["values"])] == [(0, 1.0), (1, 2.0), (3, 4.0)]
+
+
+# -- telling the user whether publishing works (the shipper's stderr is the training process's) --
+
+
+@pytest.mark.broker
+def test_the_shipper_says_once_when_the_broker_took_the_first_messages(bootstrap, run_id, capfd):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[], linger_s=0.05)
+    for step in range(3):
+        publisher.log({"loss": 1.0}, step)
+        assert publisher.flush()
+    publisher.close()
+    err = capfd.readouterr().err
+    assert err.count("took the first messages") == 1 and bootstrap in err, err
+    assert "failed" not in err
+
+
+def test_the_shipper_warns_at_once_when_it_cannot_reach_the_broker_and_not_every_retry(capfd):
+    publisher = _offline(samplers=[], linger_s=0.05)
+    publisher.log({"loss": 1.0}, 0)
+    deadline = time.monotonic() + 10
+    while "delivery to" not in capfd.readouterr().err and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert time.monotonic() < deadline, "no warning within 10 s"
+    time.sleep(2.0)  # several retries of the same failure
+    publisher.close(timeout_s=2)
+    err = capfd.readouterr().err
+    assert "delivery to" not in err, err
+    assert "took the first messages" not in err
+
+
+def test_a_lasting_delivery_failure_is_said_again_after_growing_gaps(tmp_path, monkeypatch, caplog):
+    from rankwatch.producers import shipper as shipper_module
+
+    monkeypatch.setattr(shipper_module, "_REMIND_S", 0.1)
+    shipper = shipper_module.Shipper(tmp_path, {"bootstrap_servers": "127.0.0.1:1"})
+    said = []
+    began = time.monotonic()
+    while time.monotonic() - began < 0.8:
+        caplog.clear()
+        shipper._report(OSError("connection refused"))
+        if caplog.records:
+            said.append(time.monotonic() - began)
+        time.sleep(0.01)
+    gaps = [b - a for a, b in zip(said, said[1:])]
+    assert said[0] < 0.05 and 2 <= len(gaps) <= 3, said  # at 0, ~0.1, ~0.3, (~0.7)
+    assert gaps == sorted(gaps) and gaps[0] >= 0.1, gaps
