@@ -122,7 +122,7 @@ class Shipper:
             return False
         finally:
             if self._producer is not None:
-                self._producer.close(timeout=1.0)
+                _discard(self._producer, timeout_s=1.0)
 
     def _wait(self, timeout_s: float) -> None:
         if self.wake_fd is None:
@@ -178,8 +178,8 @@ class Shipper:
 
     def _failed(self, exc: BaseException | None) -> bool:
         # A fresh client for the retry: the old one would send its buffered copies as well.
-        self._producer.close(timeout=0)
-        self._producer = None
+        producer, self._producer = self._producer, None
+        _discard(producer)
         self._report(exc)
         return False
 
@@ -218,6 +218,24 @@ class Shipper:
         with contextlib.suppress(OSError):
             self.directory.parent.rmdir()  # the run's folder, once its last rank's spool is gone
         return True
+
+
+def _discard(producer, timeout_s: float = 0.0) -> None:
+    """Close a kafka-python producer without waiting past ``timeout_s`` for requests the broker never answered.
+
+    Its ``close`` flushes first and, when that times out, raises and leaves the client running (a
+    traceback on the training process's stderr, a leaked thread, buffered copies sent later). Then
+    its sender is stopped without sending (kafka-python 3.0 has no public abort; pinned) and the
+    close finishes, now with nothing left to flush.
+    """
+    from kafka.errors import KafkaTimeoutError
+
+    try:
+        producer.close(timeout=timeout_s)
+    except KafkaTimeoutError:
+        producer._sender.force_close()  # fails what it still holds
+        producer._sender.join(1.0)
+        producer.close(timeout=0)
 
 
 class ShipperProcess:
