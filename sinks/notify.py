@@ -2,14 +2,19 @@
 
 The reader keeps its place in a small JSON file, so a restarted notifier neither resends what it
 delivered nor skips what arrived while it was down; redeliveries of one transition (same key,
-status, incident and ranks) are dropped. A sink that still fails after its own retries is logged
-and counted, and the alert stays on the topic for any other consumer.
+status, incident and ranks) are dropped. The place never moves past an alert that was not
+delivered: a sink that still fails after its own retries is tried again with backoff (for good
+while following, ``attempts`` times with ``--once``); then the notifier stops before that alert,
+says which one and why, and the next run starts with it. Delivery is at least once: with several
+sinks, one that took the alert gets it again when another failed.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,46 +34,84 @@ class Notifier:
     sinks: list[Sink]
     run: str | None = None
     state_path: Path | None = None
+    attempts: int = 3  # deliveries of one alert before a run that does not follow stops before it
+    retry_s: float = 5.0  # the first wait between them; it doubles, up to ``max_retry_s``
+    max_retry_s: float = 300.0
+    sleep: Callable[[float], None] = time.sleep
     delivered: int = 0
     failed: int = 0
+    error: str | None = None  # why the last delivery failed
+    undelivered: str | None = None  # the alert a run stopped before, and why: the next run starts there
     _seen: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def handle(self, alert: Alert) -> bool:
-        """Deliver one alert to every sink unless filtered or already delivered; True if delivered."""
+        """Deliver one alert to every sink unless filtered or already delivered; True if delivered.
+
+        False also when a sink failed; then ``error`` says why, and the alert is not remembered
+        as delivered (a retry sends it).
+        """
+        self.error = None
         if self.run is not None and alert.run != self.run:
             return False
         identity = (alert.key, alert.status, alert.incident, alert.ranks)
         if identity in self._seen:
             return False
-        self._seen[identity] = None
-        if len(self._seen) > 10_000:
-            self._seen.popitem(last=False)
-        ok = True
+        errors = []
         for sink in self.sinks:
             try:
                 sink.add(alert)
                 sink.flush()
             except RankwatchError as exc:
-                ok = False
+                errors.append(f"{type(sink).__name__}: {exc}")
                 log.error("%s could not deliver %s: %s", type(sink).__name__, alert.key, exc)
-        self.delivered += ok
-        self.failed += not ok
-        return ok
+        if errors:
+            self.error = "; ".join(errors)
+            return False
+        self._seen[identity] = None
+        if len(self._seen) > 10_000:
+            self._seen.popitem(last=False)
+        self.delivered += 1
+        return True
 
     def follow(self, bootstrap: str, *, follow: bool = True, from_beginning: bool = False,
                stop: Callable[[], bool] | None = None) -> None:
         offsets = self._load_offsets()
+        records = read_topic(bootstrap, contract.ALERTS, follow=follow, from_beginning=from_beginning,
+                             offsets=offsets, stop=stop)
         try:
-            for record in read_topic(bootstrap, contract.ALERTS, follow=follow,
-                                     from_beginning=from_beginning, offsets=offsets, stop=stop):
+            for record in records:
                 try:
-                    self.handle(Alert.from_bytes(record.value))
+                    alert = Alert.from_bytes(record.value)
                 except SchemaError as exc:
                     log.warning("skipping an undecodable alert at %d@%d: %s", record.partition, record.offset, exc)
+                else:
+                    if not self._deliver(alert, forever=follow, stop=stop):
+                        # The position stays before it: the next run sends it first.
+                        self.failed += 1
+                        self.undelivered = f"{alert.key} ({alert.status}, step {alert.step}): {self.error}"
+                        log.error("not delivered: %s; stopped before it (partition %d, offset %d), "
+                                  "the next run sends it", self.undelivered, record.partition, record.offset)
+                        return
                 offsets[record.partition] = record.offset + 1
                 self._save_offsets(offsets)
         finally:
+            records.close()
             self._save_offsets(offsets)
+
+    def _deliver(self, alert: Alert, *, forever: bool, stop: Callable[[], bool] | None) -> bool:
+        """Deliver with retries and backoff; True once delivered (or nothing to deliver)."""
+        for attempt in itertools.count():
+            if self.handle(alert) or self.error is None:
+                return True
+            if (not forever and attempt + 1 >= self.attempts) or (stop is not None and stop()):
+                return False
+            delay = min(self.max_retry_s, self.retry_s * 2**attempt)
+            log.warning("retrying %s in %.0f s", alert.key, delay)
+            waited = 0.0
+            while waited < delay and not (stop is not None and stop()):  # Ctrl-C is heard within 0.5 s
+                self.sleep(min(0.5, delay - waited))
+                waited += 0.5
+        return False
 
     def _load_offsets(self) -> dict[int, int]:
         if self.state_path is None or not self.state_path.exists():

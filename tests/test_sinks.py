@@ -175,3 +175,31 @@ def test_notify_command_writes_jsonl_and_resumes_where_it_stopped(bootstrap, run
     publish(nan_batch(1))
     consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["ranks"] == [0, 1])
     assert [a["ranks"] for a in notify()] == [[0], [0, 1]]
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("receiver", [(503,) * 4], indirect=True)  # down for one run's retries, then back
+def test_an_alert_the_receiver_did_not_take_is_sent_by_the_next_run(bootstrap, run_id, receiver, tmp_path):
+    alerts = [_alert(run=run_id), _alert("resolved", run=run_id)]
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    for alert in alerts:
+        producer.send(contract.ALERTS, alert.to_bytes(), key=alert.key.encode())
+    producer.flush()
+    producer.close()
+    consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["status"] == "resolved")
+
+    def run_once() -> Notifier:
+        sink = WebhookSink(Secret(receiver.url), retries=1, backoff_s=0.0, sleep=lambda s: None)
+        notifier = Notifier([sink], run=run_id, state_path=tmp_path / "offsets.json", attempts=2, retry_s=0.0,
+                            sleep=lambda s: None)
+        notifier.follow(bootstrap, follow=False, from_beginning=True)
+        return notifier
+
+    first = run_once()
+    assert (first.delivered, first.failed) == (0, 1) and "HTTP 503" in first.undelivered
+    assert len(receiver.requests) == 4  # two tries of the notifier, each with the sink's one retry
+    second = run_once()  # the receiver is back
+    assert (second.delivered, second.failed, second.undelivered) == (2, 0, None)
+    sent = [(a["status"], a["run"]) for _, _, body in receiver.requests[4:] for a in body["alerts"]]
+    assert sent == [("firing", run_id), ("resolved", run_id)]
+    assert run_once().delivered == 0  # and never twice
