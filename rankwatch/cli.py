@@ -91,8 +91,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     echo = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
     print("starting rankwatch…", file=sys.stderr, flush=True)
     try:  # around everything: Ctrl-C may come while things are still starting
-        with Stack(settings, embedded=embedded, port=args.port, workers=args.workers, echo=echo) as stack:
-            kind = "embedded Tansu broker, memory only" if embedded else "external broker"
+        with Stack(settings, embedded=embedded, port=args.port, workers=args.workers, echo=echo,
+                   broker=args.broker) as stack:
+            kind = "external broker" if not embedded else _BROKER_KINDS[args.broker]
             print(
                 f"rankwatch is up\n"
                 f"  broker   {stack.bootstrap} ({kind})\n"
@@ -125,11 +126,22 @@ def _emit_alert(value: bytes, sink, run: str | None = None) -> None:
         sink.flush()
 
 
+_BROKER_KINDS = {
+    "tansu": "embedded Tansu broker, memory only",
+    "kafka": "Apache Kafka, one KRaft node, data on disk",
+}
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     from rankwatch.broker import EmbeddedBroker
+    from rankwatch.kafka_broker import KafkaBroker
 
-    with EmbeddedBroker(host=args.host, port=args.port) as broker:
-        print(f"embedded broker (Tansu, memory only) listening on {broker.bootstrap}; Ctrl-C stops it", flush=True)
+    if args.broker == "kafka":
+        broker = KafkaBroker(host=args.host, port=args.port, data_dir=Settings.from_env().data_dir)
+    else:
+        broker = EmbeddedBroker(host=args.host, port=args.port)
+    with broker:
+        print(f"{_BROKER_KINDS[args.broker]}, listening on {broker.bootstrap}; Ctrl-C stops it", flush=True)
         try:
             while broker._proc and broker._proc.poll() is None:
                 time.sleep(0.5)
@@ -270,15 +282,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--bootstrap", metavar="HOST:PORT[,…]",
                        help=f"Kafka bootstrap servers (default: $RANKWATCH_BOOTSTRAP or {DEFAULT_BOOTSTRAP}){extra}")
 
+    def broker_kind(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--broker", choices=sorted(_BROKER_KINDS), default="tansu",
+                       help="which local broker to start: tansu (default; memory only, needs nothing but pip) or "
+                            "kafka (Apache Kafka, data kept under $RANKWATCH_DATA_DIR; needs Java 17+ and Maven "
+                            "or `make kafka`)")
+
     p = add("up", cmd_up, "Start broker (embedded unless --bootstrap), Faust worker(s) and the alert printer.")
     bootstrap(p, "; given, no embedded broker is started")
     p.add_argument("--port", type=int, default=9092, help="port of the embedded broker (default 9092)")
     p.add_argument("--workers", type=int, default=1, help="Faust workers to run (default 1; at most the partitions)")
+    broker_kind(p)
     p.add_argument("-v", "--verbose", action="store_true", help="show the workers' own output")
 
-    p = add("broker", cmd_broker, "Run only the embedded broker (Tansu; memory only, data is lost when it stops).")
+    p = add("broker", cmd_broker, "Run only a local broker: Tansu (default; memory only, data is lost when it stops) "
+                                  "or Apache Kafka (--broker kafka; data on disk).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=9092, help="port to listen on (default 9092)")
+    broker_kind(p)
 
     p = add("worker", cmd_worker, "Run one Faust worker; start several to share the partitions.")
     bootstrap(p)

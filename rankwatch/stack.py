@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rankwatch.admin import ensure_topics
 from rankwatch.broker import EmbeddedBroker
+from rankwatch.kafka_broker import KafkaBroker
 from rankwatch.errors import RankwatchError
 from rankwatch.settings import Settings
 
@@ -63,7 +64,11 @@ class WorkerProcess:
 
 
 class Stack:
-    """``with Stack(settings, embedded=True) as stack:`` gives a running broker and workers."""
+    """``with Stack(settings, embedded=True) as stack:`` gives a running broker and workers.
+
+    ``broker`` picks the local broker that ``embedded`` starts: "tansu" (memory only) or "kafka"
+    (Apache Kafka, one KRaft node with its data under the data dir; see ``rankwatch.kafka_broker``).
+    """
 
     def __init__(
         self,
@@ -74,10 +79,13 @@ class Stack:
         workers: int = 1,
         echo: Callable[[str], None] | None = None,
         ready_timeout_s: float = 90.0,
+        broker: str = "tansu",
     ):
-        self.settings, self.embedded, self.port = settings, embedded, port
+        if broker not in ("tansu", "kafka"):
+            raise ValueError(f"broker must be 'tansu' or 'kafka', got {broker!r}")
+        self.settings, self.embedded, self.port, self.broker_kind = settings, embedded, port, broker
         self.n_workers, self.echo, self.ready_timeout_s = workers, echo, ready_timeout_s
-        self.broker: EmbeddedBroker | None = None
+        self.broker: EmbeddedBroker | KafkaBroker | None = None
         self.workers: list[WorkerProcess] = []
 
     @property
@@ -88,8 +96,12 @@ class Stack:
         try:
             if self.embedded:
                 log_path = Path(self.settings.data_dir) / "broker.log"
-                self.broker = EmbeddedBroker(port=self.port, log_path=log_path).start()
-                self.settings = self.settings.with_(bootstrap=self.broker.bootstrap, broker_flavor="tansu")
+                if self.broker_kind == "kafka":
+                    self.broker = KafkaBroker(port=self.port, log_path=log_path, data_dir=self.settings.data_dir)
+                else:
+                    self.broker = EmbeddedBroker(port=self.port, log_path=log_path)
+                self.broker.start()
+                self.settings = self.settings.with_(bootstrap=self.broker.bootstrap, broker_flavor=self.broker_kind)
             ensure_topics(self.settings.bootstrap, self.settings.partitions)
             self.start_workers()
         except BaseException:
