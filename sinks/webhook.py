@@ -2,12 +2,14 @@
 
 The URL (Slack's carries its token) and an optional bearer token come from the environment and
 are wrapped in ``Secret``, whose repr and str hide them, so neither reaches a log line or a
-traceback. Delivery retries 5xx, 429 and connection errors with exponential backoff and jitter;
-other 4xx are permanent (retrying a bad request cannot fix it).
+traceback. Delivery retries 5xx, 429 and connection errors with exponential backoff and jitter
+(after a 429, as long as its ``Retry-After`` says); other 4xx are permanent (retrying a bad request
+cannot fix it). Slack bodies escape what comes from data and stay under Slack's length limit.
 """
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import json
 import logging
@@ -50,13 +52,39 @@ def _rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
+SLACK_FIELD_MAX = 300  # characters of one name (run, detector, metric, severity) in a Slack line
+SLACK_MESSAGE_MAX = 2000  # characters of an alert's message
+SLACK_TEXT_MAX = 39_000  # Slack cuts a message's text at 40,000 characters, silently
+TRUNCATED = "…[truncated]"
+
+
+def slack_text(value: object, limit: int = SLACK_FIELD_MAX) -> str:
+    """Data made safe for Slack's mrkdwn: capped with a marker, then ``&``, ``<``, ``>`` escaped
+    (unescaped, ``<http://…|click here>`` in a run or metric name would become a link).
+
+    >>> slack_text("reward<http://evil.example|click here> & more")
+    'reward&lt;http://evil.example|click here&gt; &amp; more'
+    >>> slack_text("x" * 20, limit=8)
+    'xxxxxxxx…[truncated]'
+    """
+    text = str(value)
+    if len(text) > limit:
+        text = text[:limit] + TRUNCATED
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def slack_body(batch: list[Alert]) -> dict:
     icons = {"critical": ":rotating_light:", "warning": ":warning:", "info": ":information_source:"}
-    lines = [
-        f"{':white_check_mark:' if a.status == 'resolved' else icons[a.severity]} *{a.status.upper()}* "
-        f"[{a.severity}] `{a.run}` {a.detector}/{a.metric}: {a.message}"
-        for a in batch
-    ]
+    lines, size = [], 0
+    for i, a in enumerate(batch):
+        icon = ":white_check_mark:" if a.status == "resolved" else icons.get(a.severity, ":warning:")
+        line = (f"{icon} *{slack_text(a.status.upper())}* [{slack_text(a.severity)}] `{slack_text(a.run)}` "
+                f"{slack_text(a.detector)}/{slack_text(a.metric)}: {slack_text(a.message, SLACK_MESSAGE_MAX)}")
+        if size + len(line) + 1 > SLACK_TEXT_MAX - 100:  # room for the line that says what is left out
+            lines.append(f"…[truncated: {len(batch) - i} more alert(s) not shown]")
+            break
+        lines.append(line)
+        size += len(line) + 1
     return {"text": "\n".join(lines)}
 
 
@@ -91,6 +119,26 @@ _BODIES: dict[str, Callable[[list[Alert]], dict]] = {
     "slack": slack_body,
     "alertmanager": alertmanager_body,
 }
+
+
+def retry_after(value: str | None, *, now: Callable[[], float] = time.time) -> float | None:
+    """Seconds to wait from an HTTP ``Retry-After`` (seconds or a date), at most 15 minutes; None if absent or unreadable.
+
+    >>> retry_after("7"), retry_after(None), retry_after("soon")
+    (7.0, None, None)
+    >>> retry_after("Thu, 01 Jan 1970 00:00:30 GMT", now=lambda: 0.0)
+    30.0
+    """
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - now()
+        except (TypeError, ValueError):
+            return None
+    return min(max(seconds, 0.0), 900.0)
 
 
 class WebhookSink(BatchingSink):
@@ -131,10 +179,14 @@ class WebhookSink(BatchingSink):
                 if exc.code < 500 and exc.code != 429:
                     raise DeliveryError(f"webhook {self.where} refused {len(batch)} alert(s): HTTP {exc.code}") from None
                 why = f"HTTP {exc.code}"
+                wait = retry_after(exc.headers.get("Retry-After")) if exc.code == 429 else None
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-                why = type(getattr(exc, "reason", exc)).__name__
+                why, wait = type(getattr(exc, "reason", exc)).__name__, None
             if attempt == self.retries:
                 raise DeliveryError(f"webhook {self.where} failed after {attempt + 1} attempts: {why}")
-            delay = min(self.max_backoff_s, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.0)
+            if wait is not None:  # the receiver said when (Slack's rate limit does): sooner is refused again
+                delay = wait
+            else:
+                delay = min(self.max_backoff_s, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.0)
             log.warning("webhook %s: %s; retrying in %.1fs", self.where, why, delay)
             self._sleep(delay)

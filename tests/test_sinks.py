@@ -23,14 +23,15 @@ from rankwatch.sinks.webhook import DeliveryError, Secret
 SECRET_PATH = "/services/T000/B000/very-secret-token"
 
 
-def _alert(status: str = "firing", *, ranks=(0, 1), run: str = "r") -> Alert:
-    return Alert(key=f"{run}/nonfinite/loss", run=run, status=status, severity="critical", detector="nonfinite",
-                 metric="loss", rank=None, step=120, value=float("nan"), message="loss is NaN", ts=1_700_000_000.0,
+def _alert(status: str = "firing", *, ranks=(0, 1), run: str = "r", metric: str = "loss",
+           message: str = "loss is NaN") -> Alert:
+    return Alert(key=f"{run}/nonfinite/{metric}", run=run, status=status, severity="critical", detector="nonfinite",
+                 metric=metric, rank=None, step=120, value=float("nan"), message=message, ts=1_700_000_000.0,
                  incident=120, ranks=tuple(ranks))
 
 
 class Receiver:
-    """A real HTTP server on loopback that answers with the given status codes, then 200."""
+    """A real HTTP server on loopback that answers with the given status codes (or (code, headers)), then 200."""
 
     def __init__(self, codes=()):
         self.codes, self.requests = list(codes), []
@@ -40,7 +41,11 @@ class Receiver:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.requests.append((self.path, dict(self.headers), json.loads(body)))
-                self.send_response(outer.codes.pop(0) if outer.codes else 200)
+                code = outer.codes.pop(0) if outer.codes else 200
+                code, headers = code if isinstance(code, tuple) else (code, {})  # (status, headers) too
+                self.send_response(code)
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
 
             def log_message(self, *args):
@@ -203,3 +208,23 @@ def test_an_alert_the_receiver_did_not_take_is_sent_by_the_next_run(bootstrap, r
     sent = [(a["status"], a["run"]) for _, _, body in receiver.requests[4:] for a in body["alerts"]]
     assert sent == [("firing", run_id), ("resolved", run_id)]
     assert run_once().delivered == 0  # and never twice
+
+
+HOSTILE_RUN = "reward<http://evil.example|click here>"
+
+
+@pytest.mark.parametrize("receiver", [((429, {"Retry-After": "7"}),)], indirect=True)
+def test_slack_gets_hostile_names_escaped_long_ones_capped_and_its_retry_after_honoured(receiver):
+    slept = []
+    sink = WebhookSink(Secret(receiver.url), format="slack", backoff_s=0.0, sleep=slept.append, max_batch=1000)
+    sink.add(_alert(run=HOSTILE_RUN, metric="a&b" + "m" * 50_000))
+    for i in range(100):  # 100 alerts of 1,000 characters each: more than one Slack message holds
+        sink.add(_alert(run=f"run-{i}", message="x" * 1000))
+    sink.flush()
+    assert slept == [7.0]  # Slack's rate limit said when; the backoff (0 s here) did not
+    assert len(receiver.requests) == 2
+    text = receiver.requests[-1][2]["text"]
+    first = text.splitlines()[0]
+    assert "`reward&lt;http://evil.example|click here&gt;`" in first and "<" not in text and ">" not in text
+    assert "a&amp;bmmm" in first and "…[truncated]" in first and len(first) < 1000
+    assert len(text) <= 40_000 and text.endswith("more alert(s) not shown]")
