@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import time
 
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError, UnknownTopicOrPartitionError
 
 from rankwatch.contract import INTERNAL_TOPICS, TOPICS
 from rankwatch.errors import BrokerError
@@ -35,22 +35,75 @@ def wait_for_broker(bootstrap: str, timeout_s: float = 10.0) -> None:
 def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOPICS + INTERNAL_TOPICS) -> dict[str, int]:
     """Create the missing rankwatch topics; return every topic's actual partition count.
 
-    Existing topics keep their partition count (Tansu auto-creates topics with 4 partitions when a
-    producer gets there first); workers adopt what they find.
+    A broker that auto-creates topics (Tansu does, with 4 partitions) may get there first, above all
+    right after a restart, when clients reconnect. Such a topic that is still empty is deleted and
+    created again with ``partitions``; one that holds messages keeps its count (deleting would lose
+    them) and workers adopt what they find.
     """
     admin = connect_admin(bootstrap)
     try:
-        existing = set(admin.list_topics())
-        missing = [NewTopic(t, partitions, 1) for t in topics if t not in existing]
-        if missing:
-            try:
-                admin.create_topics(missing)
-            except TopicAlreadyExistsError:
-                pass  # another process won the race; the counts below are what matters
-        described = admin.describe_topics(list(topics))
-        return {d["name"]: len(d["partitions"]) for d in described}
+        counts = _partition_counts(admin, topics)
+        wrong = [t for t in topics if t in counts and counts[t] != partitions]
+        empty = _empty(bootstrap, {t: counts[t] for t in wrong})
+        if empty:
+            log.warning("re-creating %s with %d partitions (found empty, with another count)", empty, partitions)
+            _delete(admin, empty)
+        _create(admin, [t for t in topics if t not in counts or t in empty], partitions)
+        return _partition_counts(admin, topics)
     finally:
         admin.close()
+
+
+def drop_mismatched(bootstrap: str, topics: list[str], partitions: int) -> list[str]:
+    """Delete those of ``topics`` that exist with another partition count than ``partitions``.
+
+    For Faust's changelog topics, which Faust creates (with its own configs) when they are missing:
+    a changelog whose count differs from its table's can never be read back (a restarted broker
+    auto-created it from a worker's late writes), and what it holds is a state the broker lost.
+    """
+    admin = connect_admin(bootstrap)
+    try:
+        counts = _partition_counts(admin, tuple(topics))
+        wrong = [t for t in topics if t in counts and counts[t] != partitions]
+        if wrong:
+            log.warning("deleting %s: partition counts %s, not %d", wrong, [counts[t] for t in wrong], partitions)
+            _delete(admin, wrong)
+        return wrong
+    finally:
+        admin.close()
+
+
+def _partition_counts(admin: KafkaAdminClient, topics: tuple[str, ...]) -> dict[str, int]:
+    existing = set(admin.list_topics())
+    present = [t for t in topics if t in existing]
+    return {d["name"]: len(d["partitions"]) for d in admin.describe_topics(present)} if present else {}
+
+
+def _empty(bootstrap: str, counts: dict[str, int]) -> list[str]:
+    if not counts:
+        return []
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, request_timeout_ms=5000)
+    try:
+        ends = consumer.end_offsets([TopicPartition(t, p) for t, n in counts.items() for p in range(n)])
+    finally:
+        consumer.close()
+    return [t for t in counts if not any(end for tp, end in ends.items() if tp.topic == t)]
+
+
+def _delete(admin: KafkaAdminClient, topics: list[str]) -> None:
+    try:
+        admin.delete_topics(topics)
+    except UnknownTopicOrPartitionError:
+        pass  # someone else deleted it first
+
+
+def _create(admin: KafkaAdminClient, topics: list[str], partitions: int) -> None:
+    if not topics:
+        return
+    try:
+        admin.create_topics([NewTopic(t, partitions, 1) for t in topics])
+    except TopicAlreadyExistsError:
+        pass  # another process (or an auto-create) won the race; the counts read after are what matters
 
 
 def detect_flavor(bootstrap: str) -> str:

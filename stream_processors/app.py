@@ -7,13 +7,15 @@ from pathlib import Path
 import faust
 
 from rankwatch.settings import Settings
+from rankwatch.stream_processors.runwatch import OutageClock
 
 
-def make_app(settings: Settings, *, flavor: str, partitions: int) -> faust.App:
+def make_app(settings: Settings, *, flavor: str, partitions: int, outages: OutageClock | None = None) -> faust.App:
     """A Faust app for ``settings``; ``flavor`` is the resolved broker kind ("kafka" or "tansu").
 
     ``partitions`` must equal the telemetry topic's partition count: Faust co-partitions the state
-    table with the stream it is updated from.
+    table with the stream it is updated from. ``outages`` is the stall clock the worker's broker
+    watch stops during outages (a private one if not given).
     """
     from rankwatch.stream_processors import (  # flows import the app's topics; keep make_app importable alone
         eval_flows,
@@ -40,6 +42,6 @@ def make_app(settings: Settings, *, flavor: str, partitions: int) -> faust.App:
         producer_linger=0.005,
         **extra,
     )
-    flows.register(app, settings)
+    flows.register(app, settings, outages=outages or OutageClock())
     eval_flows.register(app, settings)
     return app

@@ -13,13 +13,13 @@ from rankwatch.settings import Settings
 from rankwatch.stream_processors.grouping import Grouper, RunGroups
 from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
-from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher
+from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher
 from rankwatch.stream_processors.topics import dead_letterer, decoded, raw_topic
 
 log = logging.getLogger(__name__)
 
 
-def register(app: faust.App, settings: Settings) -> None:
+def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> None:
     telemetry = raw_topic(app, contract.TELEMETRY)
     alerts = raw_topic(app, contract.ALERTS)
     reports = raw_topic(app, contract.REPORTS)
@@ -33,7 +33,7 @@ def register(app: faust.App, settings: Settings) -> None:
     processor = TelemetryProcessor(rollup_steps=settings.rollup_steps, rules=rules)
     grouper = Grouper(group_wait_s=rules.group_wait_s)
     waiting: set[bytes] = set()  # runs with groups inside their wait, on partitions this worker owns
-    watcher = RunWatcher(rules=rules)
+    watcher = RunWatcher(rules=rules, outages=outages)  # the worker stops this clock while the broker is away
     watches: dict[bytes, RunWatch] = {}  # per run: cross-rank rows and stall clocks (memory only)
 
     dead_letter = dead_letterer(app)

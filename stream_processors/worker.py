@@ -1,29 +1,76 @@
-"""Run one Faust worker: resolve the broker kind, make sure topics exist, start the app."""
+"""Run one Faust worker: resolve the broker kind, make sure topics exist, start the app.
+
+Two things no Faust setting gives, added here:
+
+- **A broker that came back empty** (a restarted embedded broker, which keeps nothing) is noticed
+  by a :class:`BrokerWatch`, and the worker starts over in the same process (``exec``): topics are
+  re-created with the configured partitions, tables start empty (their changelogs went with the
+  broker), and the process id stays, so whatever supervises the worker sees nothing. Starting over
+  is simpler and surer than mending a running Faust app's groups, offsets and tables in place.
+  While the broker does not answer at all, stall clocks stop (an outage is no rank's stall).
+- **A bounded stop.** SIGTERM/SIGINT start Faust's clean stop; if that has not ended within
+  ``STOP_DEADLINE_S`` (a broker that is down makes Faust wait about a minute; a crashed agent can
+  leave it waiting for good) the process exits anyway. The signals are taken by a thread of our
+  own (``sigwait``), so they are heard in every state, even when the event loop no longer runs.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
+import sys
+import threading
+import time
 
 import faust
 
 from rankwatch import contract
-from rankwatch.admin import detect_flavor, ensure_topics
+from rankwatch.admin import detect_flavor, drop_mismatched, ensure_topics
 from rankwatch.settings import Settings
 from rankwatch.stack import PARENT_ENV, READY_LINE
 from rankwatch.stream_processors.app import make_app
+from rankwatch.stream_processors.brokerwatch import BrokerWatch
+from rankwatch.stream_processors.runwatch import OutageClock
+
+log = logging.getLogger(__name__)
+
+STOP_DEADLINE_S = 8.0  # SIGTERM to exit, at most (the promise is 10 s)
+NEW_BROKER_LINE = "rankwatch worker: the broker came back empty"  # tests and users look for this
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def build_app(settings: Settings) -> faust.App:
     flavor = settings.broker_flavor if settings.broker_flavor != "auto" else detect_flavor(settings.bootstrap)
     counts = ensure_topics(settings.bootstrap, settings.partitions)
-    app = make_app(settings, flavor=flavor, partitions=counts[contract.TELEMETRY])
+    outages = OutageClock()
+    app = make_app(settings, flavor=flavor, partitions=counts[contract.TELEMETRY], outages=outages)
+    # Faust creates missing changelogs itself, but one auto-created by a restarted broker from a
+    # worker's late writes has the broker's default count, and its table could never recover.
+    drop_mismatched(settings.bootstrap, [t.changelog_topic.get_topic_name() for t in app.tables.values()],
+                    counts[contract.TELEMETRY])
 
     @app.on_rebalance_complete.connect
     async def announce(sender, **kwargs):  # supervisors and tests wait for this line
         assigned = app.consumer.assignment()
         owned = sorted(tp.partition for tp in assigned if tp.topic == contract.TELEMETRY)
         print(f"{READY_LINE}: broker {settings.bootstrap} ({flavor}), telemetry partitions {owned}", flush=True)
+
+    async def start_over(reason: str) -> None:
+        print(f"{NEW_BROKER_LINE} ({reason}); starting over", flush=True)
+        # At once, before the ranks' shippers fill topics the broker auto-created with its own count.
+        await asyncio.to_thread(ensure_topics, settings.bootstrap, settings.partitions)
+        restart_process()
+
+    watch = BrokerWatch(
+        settings.bootstrap.split(","), counts, offsets_of=(contract.TELEMETRY,),
+        on_away=lambda: outages.away(time.time()), on_back=lambda: outages.back(time.time()), on_new=start_over,
+    )
+
+    @app.task
+    async def watch_broker():
+        await watch.run()
 
     parent = os.environ.get(PARENT_ENV)
     if parent:
@@ -35,7 +82,45 @@ def build_app(settings: Settings) -> faust.App:
     return app
 
 
+def restart_process() -> None:
+    """Replace this process with a fresh run of the same command line (same pid, same stdout)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 def run_worker(settings: Settings, *, loglevel: str = "warning") -> None:
-    """Block until SIGINT/SIGTERM; Faust's worker stops the app cleanly on either."""
+    """Block until SIGINT/SIGTERM; Faust's worker stops the app cleanly on either, within the deadline."""
+    # Blocked before any thread starts, so every thread inherits it and only ``_stop_on_signal`` hears them.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     app = build_app(settings)
-    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+    worker = _Worker(app, loglevel=loglevel, quiet=True)
+    threading.Thread(target=_stop_on_signal, args=(worker,), daemon=True, name="stop-on-signal").start()
+    worker.execute_from_commandline()
+
+
+class _Worker(faust.Worker):
+    _deadline: threading.Timer | None = None
+
+    def _schedule_shutdown(self, sig: signal.Signals) -> None:
+        # Every stop by signal comes here (also one that reached Faust's own handler): arm the deadline.
+        if self._deadline is None:
+            self._deadline = threading.Timer(STOP_DEADLINE_S, _exit_now, args=(sig,))
+            self._deadline.daemon = True
+            self._deadline.start()
+        super()._schedule_shutdown(sig)
+
+
+def _stop_on_signal(worker: _Worker) -> None:
+    sig = signal.Signals(signal.sigwait(_STOP_SIGNALS))
+    try:
+        worker.loop.call_soon_threadsafe(worker._schedule_shutdown, sig)  # what Faust's handler does
+    except RuntimeError:  # the loop is closed: only the deadline is left
+        threading.Timer(STOP_DEADLINE_S, _exit_now, args=(sig,)).start()
+    signal.sigwait(_STOP_SIGNALS)  # a second signal (Ctrl-C twice) means now
+    _exit_now(sig)
+
+
+def _exit_now(sig: signal.Signals) -> None:
+    print(f"rankwatch worker: not stopped cleanly after {sig.name}; exiting now", file=sys.stderr, flush=True)
+    os._exit(1)
