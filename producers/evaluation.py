@@ -12,6 +12,10 @@ decides and broadcasts, so all ranks evaluate at the same steps.
 Counters are absolute: ``step`` is the number of optimizer updates the weights have seen, so
 asking twice at one step fires at most once, and ``state_dict()`` / ``load_state_dict()`` carry the
 schedule across a restart (time since the last evaluation is kept; the downtime is not counted).
+The epoch trigger fires only at an epoch's first check, so a run resumed mid-epoch (even one that
+turns ``freq_epochs`` on only now) waits for the next epoch. ``final(step=…)`` after the last update
+says whether the final weights still need their evaluation: periodic triggers alone stop short
+(``freq_steps=3`` over 30 steps last fires at 27; ``freq_epochs=1`` with one epoch never fires).
 
 torch is imported only when torch.distributed is in use, so the Evaluator works in torch-free code.
 """
@@ -44,6 +48,8 @@ class Evaluator:
                     evaluate_shard(...)          # evaluates the weights after `step` updates
                 ...                              # forward, backward, optimizer.step()
                 step += 1
+        if evaluator.final(step=step):           # the final weights, unless just evaluated
+            evaluate_shard(...)
 
     ``epoch`` is the number of epochs completed before this step (the 0-based index of the current
     epoch), so ``freq_epochs=1`` fires on the first step of each new epoch.
@@ -89,6 +95,8 @@ class Evaluator:
         self.last_triggers: tuple[str, ...] = ()  # why the latest firing fired
         self._last_step: int | None = None  # anchored at the first check, then at each step firing
         self._last_epoch: int | None = None
+        self._seen_epoch: int | None = None  # the epoch of the latest check: a new one starts an epoch
+        self._evaluated_at: int | None = None  # the step of the latest firing
         self._last_time = clock()
 
     def should_evaluate(self, *, step: int, epoch: int | None = None) -> bool:
@@ -104,9 +112,13 @@ class Evaluator:
             "before_train": self.eval_before_train and first_check,
             "steps": interval is not None and step - self._last_step >= interval,
             "secs": self.freq_secs is not None and now - self._last_time >= self.freq_secs,
-            "epochs": self.freq_epochs is not None and epoch is not None
-            and epoch - self._last_epoch >= self.freq_epochs,
+            # Only where an epoch starts: the anchor may be far behind (a restored run that did not
+            # use the epoch trigger before), and firing mid-epoch would evaluate at a random step.
+            "epochs": self.freq_epochs is not None and epoch is not None and self._seen_epoch is not None
+            and epoch != self._seen_epoch and epoch - self._last_epoch >= self.freq_epochs,
         }
+        if epoch is not None:
+            self._seen_epoch = epoch
         if self._needs_agreement():
             wants, interval = self._agree(wants, interval)
         self.interval_steps = interval
@@ -120,7 +132,22 @@ class Evaluator:
         if fired:
             self.evaluations += 1
             self.last_triggers = fired
+            self._evaluated_at = step
         return bool(fired)
+
+    def final(self, *, step: int) -> bool:
+        """After the last update: True unless the weights after ``step`` updates were just evaluated.
+
+        The same answer on every rank (it depends only on agreed firings), so it needs no
+        collective. A True is recorded like any firing (``last_triggers == ("final",)``).
+        """
+        if self._evaluated_at == step:
+            return False
+        self._evaluated_at = self._last_step = step
+        self._last_time = self.clock()
+        self.evaluations += 1
+        self.last_triggers = ("final",)
+        return True
 
     def _advised_interval(self) -> int | None:
         advice = self.control.eval_interval() if self.control is not None else None
@@ -160,6 +187,8 @@ class Evaluator:
             "secs_since_last": self.clock() - self._last_time,
             "interval_steps": self.interval_steps,
             "evaluations": self.evaluations,
+            "seen_epoch": self._seen_epoch,
+            "evaluated_at": self._evaluated_at,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -172,6 +201,9 @@ class Evaluator:
             lo, hi = self.interval_bounds  # the advice in force before the restart, within today's bounds
             self.interval_steps = int(min(max(state["interval_steps"], lo), hi))
         self.evaluations = int(state["evaluations"])
+        # Absent from states saved before they existed: then a resumed run waits for a new epoch.
+        self._seen_epoch = state.get("seen_epoch")
+        self._evaluated_at = state.get("evaluated_at")
 
 
 def default_eval_id(step: int) -> str:

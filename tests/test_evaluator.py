@@ -181,6 +181,34 @@ def test_advised_interval_survives_a_restart_within_the_new_bounds():
     assert plain.interval_steps == 10
 
 
+def test_final_weights_are_evaluated_where_periodic_triggers_stop_short():
+    by_epoch = Evaluator(freq_epochs=1)
+    assert fired_steps(by_epoch, range(7), epoch_len=7) == []  # one 7-step epoch: no periodic firing
+    assert by_epoch.final(step=7) and by_epoch.last_triggers == ("final",)
+    assert not by_epoch.final(step=7)  # once
+    by_steps = Evaluator(freq_steps=3)
+    assert fired_steps(by_steps, range(30))[-1] == 27
+    assert by_steps.final(step=30)
+    fired_last = Evaluator(freq_steps=3)
+    assert fired_steps(fired_last, range(31))[-1] == 30  # a loop that checks once more after the last update
+    assert not fired_last.final(step=30)  # those weights were just evaluated
+    restored = Evaluator(freq_steps=3)
+    restored.load_state_dict(fired_last.state_dict())
+    assert not restored.final(step=30)  # nor after a restart
+
+
+def test_resuming_with_freq_epochs_newly_on_waits_for_the_next_epoch():
+    before = Evaluator(freq_steps=100)  # the first run did not evaluate by epoch
+    fired_steps(before, range(16), epoch_len=15)
+    resumed = Evaluator(freq_epochs=1)
+    resumed.load_state_dict(before.state_dict())
+    assert fired_steps(resumed, range(16, 46), epoch_len=15) == [30, 45]  # epoch starts, not step 16
+    old = {k: v for k, v in before.state_dict().items() if k not in ("seen_epoch", "evaluated_at")}
+    from_old = Evaluator(freq_epochs=1)
+    from_old.load_state_dict(old)  # a checkpoint written before the fix
+    assert fired_steps(from_old, range(16, 46), epoch_len=15) == [30, 45]
+
+
 def _rank_main(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 

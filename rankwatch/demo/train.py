@@ -1,7 +1,7 @@
 """One rank of the demo: data-parallel training (torch DDP over gloo, CPU) on scikit-learn's digits.
 
-Run by ``rankwatch demo`` as a separate process per rank. Every ``--eval-every`` steps (and before
-the first update) each rank evaluates its slice of the held-out digits and streams the per-sample
+Run by ``rankwatch demo`` as a separate process per rank. Every ``--eval-every`` steps (before the
+first update, and after the last) each rank evaluates its slice of the held-out digits and streams the per-sample
 results; the worker merges them into one report with confidence intervals. At ``--nan-step`` rank
 ``--nan-rank`` feeds a batch with a NaN pixel, as a corrupt shard would: its loss turns NaN, the
 all-reduce spreads NaN gradients to every rank, and rankwatch should say so within a step, and
@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         if rank == 0 and (step + 1) % 50 == 0:
             print(f"  rank 0: step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
+    if evaluator.final(step=args.steps):  # the weights the run ends with: periodic triggers stop short
+        evaluate_shard(eval_fn, val_loader, publisher, step=args.steps, model=model, chunk_size=64)
     publisher.close()
     stats = publisher.stats()
     if stats.dropped or stats.failed:
