@@ -43,7 +43,7 @@ def test_alerts_and_tail_print_what_is_on_the_topics(bootstrap, run_id):
     producer.send(contract.TELEMETRY, batch.to_bytes(), key=batch.key)
     producer.flush()
     producer.close()
-    consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id)
+    assert consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id), "nothing arrived"
 
     shown = _cli("alerts", "--bootstrap", bootstrap, "--run", run_id, "--json")
     lines = [json.loads(line) for line in shown.stdout.splitlines()]

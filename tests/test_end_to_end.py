@@ -97,7 +97,9 @@ def test_replayed_batches_change_no_alert(bootstrap, run_id):
     marker = _batch(run_id, 2, 1, [float("nan")], metric="marker", first_step=2).to_bytes()
     _send(bootstrap, (key, nan), (key, nan), (key, nan), (key, marker))
 
-    consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["metric"] == "marker")
+    assert consume_json(
+        bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["metric"] == "marker",
+    ), "nothing arrived"
     # Same partition, so the duplicates were processed before the marker's alert was sent.
     loss_alerts = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["metric"] == "loss",
                                count=2, timeout_s=3)

@@ -111,7 +111,10 @@ def test_four_ranks_give_the_direct_numbers_and_duplicates_change_nothing(eval_b
     # so once it is dead-lettered the replays before it have been processed.
     marker = _shards(run_id, correct, ranks=[0], chunks=1, world=8)[0]
     _send(producer, *shards[2:5], marker)
-    consume_json(eval_bootstrap, contract.DEADLETTER, lambda d: "world_size 8" in d["reason"] and run_id in d["reason"])
+    # Unchecked, a marker that never arrived would let the replay check below pass on nothing.
+    assert consume_json(eval_bootstrap, contract.DEADLETTER,
+                        lambda d: "world_size 8" in d["reason"] and run_id in d["reason"]), \
+        "the marker was not dead-lettered"
     revisions = [r["revision"] for r in _reports(eval_bootstrap, run_id, count=50, timeout_s=1.0)]
     assert max(revisions) == report["revision"] and len(revisions) == len(set(revisions))
 
@@ -166,7 +169,7 @@ def test_a_silent_rank_gives_an_incomplete_report_then_an_amended_one(eval_boots
 
 def test_a_drop_between_evaluations_raises_a_regression_alert(eval_bootstrap, producer, run_id):
     _send(producer, *_shards(run_id, _accuracy(0.9, seed=5), eval_id="step-100", step=100))
-    _reports(eval_bootstrap, run_id, lambda r: r["complete"])
+    assert _reports(eval_bootstrap, run_id, lambda r: r["complete"]), "the first evaluation never completed"
     _send(producer, *_shards(run_id, _accuracy(0.6, seed=6), eval_id="step-200", step=200))
     [alert] = consume_json(eval_bootstrap, contract.ALERTS,
                            lambda a: a["run"] == run_id and a["detector"] == "eval_regression")

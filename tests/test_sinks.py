@@ -172,13 +172,15 @@ def test_notify_command_writes_jsonl_and_resumes_where_it_stopped(bootstrap, run
 
     out = tmp_path / "alerts.jsonl"
     publish(nan_batch(0))
-    consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id)
+    assert consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id), "nothing arrived"
     first = notify()
     assert [(a["metric"], a["ranks"]) for a in first] == [("loss", [0])]
     assert notify() == first  # nothing delivered twice
 
     publish(nan_batch(1))
-    consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["ranks"] == [0, 1])
+    assert consume_json(
+        bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["ranks"] == [0, 1],
+    ), "nothing arrived"
     assert [a["ranks"] for a in notify()] == [[0], [0, 1]]
 
 
@@ -191,7 +193,9 @@ def test_an_alert_the_receiver_did_not_take_is_sent_by_the_next_run(bootstrap, r
         producer.send(contract.ALERTS, alert.to_bytes(), key=alert.key.encode())
     producer.flush()
     producer.close()
-    consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["status"] == "resolved")
+    assert consume_json(
+        bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["status"] == "resolved",
+    ), "nothing arrived"
 
     def run_once() -> Notifier:
         sink = WebhookSink(Secret(receiver.url), retries=1, backoff_s=0.0, sleep=lambda s: None)
