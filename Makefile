@@ -29,8 +29,17 @@ install: $(BIN)/rankwatch $(KAFKA_JAR)
 demo: install
 	$(BIN)/rankwatch demo
 
-test: install
+test: install postgres-server
 	$(BIN)/python -m pytest -q
+
+# The report store's tests start a throwaway PostgreSQL server from Debian's package (tests/pgserver.py).
+# Installed here when missing and apt-get can (CI: Debian, as root); elsewhere those tests skip.
+postgres-server:
+	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1 \
+	    && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing PostgreSQL for the report store's tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	fi
 
 clean:
 	rm -rf $(VENV) .rankwatch *.egg-info kafka/lib

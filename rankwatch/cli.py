@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rankwatch import contract
+from rankwatch.cli_store import add_commands as add_store_commands
 from rankwatch.errors import RankwatchError
 from rankwatch.score_series import add_arguments as score_series_arguments
 from rankwatch.score_series import cmd_score_series
@@ -35,7 +36,8 @@ examples:
   rankwatch up                        # broker + worker + alert printer; Ctrl-C stops all of it
   rankwatch alerts --follow --run r1  # alerts of run r1 as they arrive
   rankwatch tail rankwatch.deadletter # any rankwatch topic, as JSON lines
-  rankwatch report --run r1           # eval reports of run r1: metrics with 95% CIs, per evaluation
+  rankwatch report --run r1           # run r1's eval reports, rollups and alerts, from the report store
+  rankwatch runs                      # the runs in the report store
 
 A rankwatch process that seems stuck prints every thread's stack on `kill -USR1 PID`.
 """
@@ -208,19 +210,6 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    from rankwatch.sinks.eval_reports import as_json, format_table, read_reports
-
-    reports = read_reports(_settings(args).bootstrap, args.run)
-    if args.json:
-        print(json.dumps([as_json(r) for r in reports], indent=2))
-    elif reports:
-        print(format_table(reports))
-    else:
-        print(f"no eval reports for run {args.run!r} on {contract.REPORTS}", file=sys.stderr)
-    return 0
-
-
 def cmd_ship(args: argparse.Namespace) -> int:
     from rankwatch.producers.shipper import CONFIG_ENV, Shipper, kafka_config
     from rankwatch.producers.spool import default_root, find_spools, has_writer
@@ -332,10 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new messages until Ctrl-C")
     p.add_argument("--from-end", action="store_true", help="only messages that arrive from now on")
 
-    p = add("report", cmd_report, "Print a run's evaluation reports (the latest revision of each evaluation).")
-    bootstrap(p)
-    p.add_argument("--run", required=True, help="run id")
-    p.add_argument("--json", action="store_true", help="a JSON array of reports, oldest step first")
+    add_store_commands(add, bootstrap)  # store, report, runs, serve: rankwatch/cli_store.py
 
     p = add("score-series", cmd_score_series, "Score a timestamp,value CSV with one detector: adds an anomaly_score column.")
     score_series_arguments(p)

@@ -31,6 +31,8 @@ class Settings:
     rollup_steps: int = 50
     #: Where workers keep local state (Faust's data dir).
     data_dir: str = ".rankwatch"
+    #: The report store: empty means SQLite at ``<data_dir>/store.db``; ``postgresql://…`` uses PostgreSQL.
+    store_url: str = ""
     #: Where publishers spool messages for their shipper process; empty means the system's temp dir.
     spool_dir: str = ""
     #: Alert rules file (TOML); empty means the defaults shipped with rankwatch.

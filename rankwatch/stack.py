@@ -63,12 +63,38 @@ class WorkerProcess:
                 self.proc.wait()
 
 
+class StoreProcess:
+    """``rankwatch store`` as a child process: the report store follows the topics beside the workers."""
+
+    def __init__(self, settings: Settings, *, env: dict[str, str]):
+        log_path = Path(settings.data_dir) / "store.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rankwatch", "store", "--bootstrap", settings.bootstrap],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            )
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # like Ctrl-C: it finishes the batch it is writing
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 class Stack:
     """``with Stack(settings, embedded=True) as stack:`` gives a running broker and workers.
 
     ``broker`` picks the local broker that ``embedded`` starts: "tansu" (memory only) or "kafka"
     (Apache Kafka, one KRaft node with its data under the data dir; see ``rankwatch.kafka_broker``).
     """
+
+    #: Whether ``start`` also runs the report store's sink; set False on an instance to leave it out.
+    with_store: bool = True
+    store: StoreProcess | None = None
 
     def __init__(
         self,
@@ -104,10 +130,17 @@ class Stack:
                 self.settings = self.settings.with_(bootstrap=self.broker.bootstrap, broker_flavor=self.broker_kind)
             ensure_topics(self.settings.bootstrap, self.settings.partitions)
             self.start_workers()
+            self.start_store()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_store(self) -> None:
+        """The report store's sink (``rankwatch store``); its output goes to ``<data dir>/store.log``."""
+        if self.with_store:
+            env = dict(os.environ, **self.settings.to_env(), **{PARENT_ENV: str(os.getpid())})
+            self.store = StoreProcess(self.settings, env=env)
 
     def start_workers(self) -> None:
         env = dict(os.environ, **self.settings.to_env(), **{PARENT_ENV: str(os.getpid())})
@@ -130,6 +163,9 @@ class Stack:
                     raise RankwatchError(f"worker {w.index} {why}; its last output:\n" + "\n".join(w.tail))
 
     def stop(self) -> None:
+        if self.store is not None:
+            self.store.stop()
+            self.store = None
         for w in self.workers:
             w.stop()
         self.workers = []

@@ -1,6 +1,7 @@
-"""A run's evaluation reports, read back from ``rankwatch.reports``: the latest revision of each.
+"""A run's evaluation reports as ``rankwatch report`` prints them: the latest revision of each.
 
-Until a report store exists, the topic is the store; this module is the one place that knows it.
+The reports come from the report store (``rankwatch.sinks.store``); ``latest_reports`` picks the
+newest revisions among raw topic values, for a reader of the topic itself.
 """
 
 from __future__ import annotations
@@ -9,12 +10,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from kafka.errors import KafkaError
-
 from rankwatch import contract
 from rankwatch.contract import EvalReport
-from rankwatch.errors import BrokerError
-from rankwatch.sinks.reader import read_topic
 
 #: The fields of each report that ``rankwatch report --json`` prints, in order.
 FIELDS = ("run", "eval_id", "step", "complete", "provisional", "revision", "world_size", "ranks_received",
@@ -38,14 +35,6 @@ def latest_reports(values: Iterable[bytes], run: str) -> list[EvalReport]:
         if report.run == run and (known is None or report.revision > known.revision):
             latest[report.eval_id] = report
     return sorted(latest.values(), key=lambda r: (r.step, r.eval_id))
-
-
-def read_reports(bootstrap: str, run: str) -> list[EvalReport]:
-    """The run's reports from the topic; BrokerError when no broker answers at ``bootstrap``."""
-    try:
-        return latest_reports((record.value for record in read_topic(bootstrap, contract.REPORTS)), run)
-    except KafkaError as exc:
-        raise BrokerError(f"cannot read {contract.REPORTS} from {bootstrap}: {exc}") from None
 
 
 def as_json(report: EvalReport) -> dict[str, Any]:

@@ -92,7 +92,8 @@ def _partitions(bootstrap, topic, key) -> set[int]:
         consumer.close()
 
 
-def test_four_ranks_give_the_direct_numbers_and_duplicates_change_nothing(eval_bootstrap, producer, run_id, capsys):
+def test_four_ranks_give_the_direct_numbers_and_duplicates_change_nothing(eval_stack, eval_bootstrap, producer, run_id,
+                                                                          capsys):
     correct = _accuracy(0.8, seed=1)
     shards = _shards(run_id, correct)
     _send(producer, shards[0], shards[0], *shards[1:])  # a duplicated chunk before completion
@@ -121,13 +122,20 @@ def test_four_ranks_give_the_direct_numbers_and_duplicates_change_nothing(eval_b
     [advice] = consume_json(eval_bootstrap, contract.CONTROL, lambda c: c["run"] == run_id and c["action"] == "stop_eval")
     assert advice["eval_id"] == "e1" and advice["value"] <= 0.05
 
-    assert main(["report", "--run", run_id, "--json", "--bootstrap", eval_bootstrap]) == 0
-    [printed] = json.loads(capsys.readouterr().out)
+    # `rankwatch report` answers from the report store, which the stack's store process fills.
+    store = ["--store", f"{eval_stack.settings.data_dir}/store.db"]
+    deadline = time.monotonic() + 30
+    while True:
+        assert main(["report", "--run", run_id, "--json", "--kind", "eval", *store]) == 0
+        [printed] = json.loads(capsys.readouterr().out)["eval_reports"] or [None]
+        if (printed or {}).get("revision") == report["revision"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
     assert printed == {k: report[k] for k in printed}
     assert {"eval_id", "step", "complete", "revision", "world_size", "ranks_received", "n_samples", "metrics",
             "per_rank", "composite"} <= set(printed)
     assert {"n", "mean", "ci_low", "ci_high"} <= set(printed["metrics"]["correct"])
-    assert main(["report", "--run", run_id, "--bootstrap", eval_bootstrap]) == 0
+    assert main(["report", "--run", run_id, *store]) == 0
     assert "e1  step 100  complete  rev" in capsys.readouterr().out
 
 

@@ -1,0 +1,101 @@
+"""The store sink: reads ``rankwatch.reports`` and ``rankwatch.alerts`` into the report store.
+
+A plain kafka-python consumer with manual assignment (no group: one store has one writer, and the
+embedded broker's group joins are slow). It starts each partition at the offset the store committed
+with its rows, so nothing is lost or stored twice across restarts. Each poll's records are written
+in one transaction.
+
+A broker that lost its topics (the embedded one keeps nothing across a restart) restarts offsets at
+0: a stored position past the end is out of range, and the consumer starts that partition over
+(``auto_offset_reset="earliest"``). The rows it writes again are the same rows (idempotent upserts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from kafka import KafkaConsumer, TopicPartition
+
+from rankwatch import contract
+from rankwatch.sinks.store import ReportStore, WriteResult
+
+log = logging.getLogger(__name__)
+
+TOPICS = (contract.REPORTS, contract.ALERTS)
+
+
+class StoreSink:
+    """``run()`` copies the topics into ``store`` until caught up (``follow=False``) or ``stop()``."""
+
+    def __init__(self, store: ReportStore, bootstrap: str, *, poll_ms: int = 200, max_records: int = 2000,
+                 on_write: Callable[[WriteResult], None] | None = None):
+        self.store, self.bootstrap = store, bootstrap
+        self.poll_ms, self.max_records, self.on_write = poll_ms, max_records, on_write
+        self.written = 0
+
+    def run(self, *, follow: bool = True, stop: Callable[[], bool] | None = None,
+            stop_after_s: float | None = None) -> None:
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
+            fetch_max_wait_ms=100, client_id="rankwatch-store", allow_auto_create_topics=False,
+        )
+        deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
+
+        def more() -> bool:
+            return (deadline is None or time.monotonic() < deadline) and not (stop is not None and stop())
+
+        try:
+            assigned: list[TopicPartition] = []
+            next_check = 0.0
+            while more():
+                if time.monotonic() >= next_check:  # topics appear when the workers create them
+                    assigned = self._assign(consumer, assigned)
+                    next_check = time.monotonic() + (10.0 if len(assigned) and self._all_topics(assigned) else 0.5)
+                if not assigned:
+                    if not follow:
+                        return
+                    time.sleep(0.2)
+                    continue
+                got = consumer.poll(timeout_ms=self.poll_ms, max_records=self.max_records)
+                records = [(r.topic, r.partition, r.offset, r.value) for batch in got.values() for r in batch]
+                if records:
+                    result = self.store.write(records)
+                    self.written += len(records)
+                    if self.on_write:
+                        self.on_write(result)
+                elif not follow and _caught_up(consumer, assigned):
+                    return
+        finally:
+            consumer.close()
+
+    def _assign(self, consumer: KafkaConsumer, assigned: list[TopicPartition]) -> list[TopicPartition]:
+        tps = [TopicPartition(t, p) for t in TOPICS for p in sorted(consumer.partitions_for_topic(t) or ())]
+        if set(tps) == set(assigned):
+            return assigned
+        known = set(assigned)
+        consumer.assign(tps)
+        offsets = self.store.offsets()
+        for tp in tps:
+            if tp in known:
+                continue  # keep reading where we are
+            start = offsets.get((tp.topic, tp.partition))
+            if start is None:
+                consumer.seek_to_beginning(tp)
+            else:
+                consumer.seek(tp, start)
+        return tps
+
+    @staticmethod
+    def _all_topics(tps: list[TopicPartition]) -> bool:
+        return {tp.topic for tp in tps} == set(TOPICS)
+
+
+def _caught_up(consumer: KafkaConsumer, tps: list[TopicPartition]) -> bool:
+    # The high watermark from Fetch responses, not ListOffsets (wrong on the embedded broker).
+    for tp in tps:
+        high = consumer.highwater(tp)
+        if high is None or consumer.position(tp) < high:
+            return False
+    return True

@@ -1,0 +1,151 @@
+"""The report store on SQLite and on a real PostgreSQL server: idempotent writes, resumable offsets,
+migrations, and the queries behind ``rankwatch report`` / ``runs`` and the HTTP API."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pgserver import PostgresServer, find_bin_dir
+
+from rankwatch.contract import Alert, EvalReport, Rollup
+from rankwatch.errors import RankwatchError
+from rankwatch.sinks.store import ReportStore
+from rankwatch.sinks.store_query import Filters, Queries, parse_since, parse_steps
+from rankwatch.sinks.store_schema import MIGRATIONS, migrate
+
+PG_BIN = find_bin_dir()
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    if PG_BIN is None:
+        pytest.skip("PostgreSQL's server binaries are not installed (make test installs them)")
+    with PostgresServer(PG_BIN) as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        s = ReportStore(str(tmp_path / "store.db"))
+        yield s
+        s.close()
+        return
+    server = request.getfixturevalue("postgres")
+    import psycopg
+
+    name = f"t{abs(hash(request.node.name)) % 10**9}"
+    with psycopg.connect(server.url, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {name}")
+        admin.execute(f"CREATE DATABASE {name}")
+    s = ReportStore(server.url.rsplit("/", 1)[0] + "/" + name)
+    yield s
+    s.close()
+
+
+def rollup(run="r1", rank=0, metric="loss", start=0, width=10, mean=1.0, count=10, ts=100.0, **kw) -> Rollup:
+    fields = dict(run=run, rank=rank, metric=metric, start_step=start, end_step=start + width, count=count,
+                  nonfinite=0, mean=mean, std=0.5, min=mean - 1, max=mean + 1, last=mean, ts=ts)
+    return Rollup(**{**fields, **kw})
+
+
+def report(run="r1", eval_id="e1", step=100, revision=1, mean=0.9) -> EvalReport:
+    return EvalReport(run=run, eval_id=eval_id, step=step, complete=True, provisional=False, revision=revision,
+                      world_size=4, ranks_received=[0, 1, 2, 3], missing_ranks=[], n_samples=400,
+                      metrics={"correct": {"n": 400, "mean": mean, "std": 0.3, "ci_low": mean - 0.03,
+                                           "ci_high": mean + 0.03, "method": "wilson"},
+                               "loss": {"n": 0, "mean": math.nan, "std": math.nan, "ci_low": math.nan,
+                                        "ci_high": math.nan, "method": "t"}},
+                      per_rank={"0": {"correct": {"n": 100, "mean": mean}}}, composite=mean, coverage={}, ts=200.0)
+
+
+def alert(run="r1", status="firing", step=30, ranks=(2,), ts=150.0) -> Alert:
+    return Alert(key=f"{run}/nonfinite/loss", run=run, status=status, severity="critical", detector="nonfinite",
+                 metric="loss", rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks, step=step, value=math.nan,
+                 message="loss is NaN", ts=ts, score=1.0, incident=30)
+
+
+def records(*events, topic="rankwatch.reports", partition=0, start=0):
+    return [(topic, partition, start + i, e.to_bytes()) for i, e in enumerate(events)]
+
+
+def dump(store: ReportStore) -> dict:
+    q = Queries(store.db)
+    return {"rollups": q.rollups("r1"), "reports": [r.to_dict() for r in q.eval_reports("r1")],
+            "alerts": q.alerts("r1"), "runs": q.runs(), "offsets": store.offsets()}
+
+
+def test_a_replayed_batch_changes_nothing(store):
+    batch = records(rollup(), rollup(rank=1, mean=3.0), report(), rollup(start=10)) + \
+        records(alert(), topic="rankwatch.alerts")
+    store.write(batch)
+    before = dump(store)
+    assert len(before["rollups"]) == 3 and len(before["reports"]) == 1 and len(before["alerts"]) == 1
+    store.write(batch)
+    store.write(batch[2:4])  # a partial replay, as after a crash between poll and commit
+    assert dump(store) == before
+
+
+def test_offsets_commit_with_the_rows(store):
+    store.write(records(rollup(), rollup(start=10), partition=3, start=41))
+    store.write(records(alert(), topic="rankwatch.alerts", partition=1, start=7))
+    assert store.offsets() == {("rankwatch.reports", 3): 43, ("rankwatch.alerts", 1): 8}
+
+
+def test_an_older_revision_never_replaces_a_newer_one(store):
+    store.write(records(report(revision=3, mean=0.8)))
+    store.write(records(report(revision=2, mean=0.1)))
+    [r] = Queries(store.db).eval_reports("r1")
+    assert (r.revision, r.metrics["correct"]["mean"]) == (3, 0.8)
+    assert math.isnan(r.metrics["loss"]["mean"])  # non-finite values survive the round trip
+    store.write(records(report(revision=4, mean=0.85)))
+    assert Queries(store.db).eval_reports("r1")[0].revision == 4
+
+
+def test_undecodable_messages_are_skipped_and_their_offsets_kept(store):
+    result = store.write([("rankwatch.reports", 0, 0, b"not json"), *records(rollup(), start=1)])
+    assert (result.skipped, result.rollups) == (1, 1)
+    assert store.offsets() == {("rankwatch.reports", 0): 2}
+
+
+def test_filters(store):
+    store.write(records(
+        rollup(start=0), rollup(start=10), rollup(start=20, ts=500.0), rollup(rank=1, start=0),
+        rollup(metric="grad_norm", start=0), report(step=10, eval_id="e10"), report(step=20, eval_id="e20"),
+    ) + records(alert(step=15), alert(status="resolved", step=25, ts=600.0), topic="rankwatch.alerts"))
+    q = Queries(store.db)
+    assert [r["start_step"] for r in q.rollups("r1", Filters(metric="loss", rank=0))] == [0, 10, 20]
+    assert [r["start_step"] for r in q.rollups("r1", Filters(metric="loss", rank=0, steps=(12, 20)))] == [10, 20]
+    assert [r["rank"] for r in q.rollups("r1", Filters(metric="loss", steps=(None, 5)))] == [0, 1]
+    assert [r["start_step"] for r in q.rollups("r1", Filters(since=400.0))] == [20]
+    assert [r.eval_id for r in q.eval_reports("r1", Filters(steps=(15, None)))] == ["e20"]
+    assert list(q.eval_reports("r1", Filters(metric="correct"))[0].metrics) == ["correct"]
+    assert [a["status"] for a in q.alerts("r1", Filters(steps=(20, 30)))] == ["resolved"]
+    assert [a["status"] for a in q.alerts("r1", Filters(rank=2))] == ["firing", "resolved"]
+    assert q.alerts("r1", Filters(rank=3)) == []
+    [run] = q.runs()
+    assert (run["run"], run["first_step"], run["last_step"], run["alerts"], run["firing"]) == ("r1", 0, 29, 1, 0)
+    assert {m["metric"] for m in q.metrics("r1")} == {"loss", "grad_norm"}
+
+
+def test_migrations_run_once_and_a_newer_schema_is_refused(store):
+    assert migrate(store.db) == len(MIGRATIONS)  # again: nothing to do
+    with store.db.transaction() as cur:
+        cur.execute("INSERT INTO schema_version (version) VALUES (99)")
+    with pytest.raises(RankwatchError, match="newer"):
+        migrate(store.db)
+
+
+def test_sqlite_store_is_in_wal_mode(tmp_path):
+    s = ReportStore(str(tmp_path / "x" / "store.db"))
+    assert s.db.query("PRAGMA journal_mode") == [("wal",)]
+    s.close()
+
+
+def test_parsers():
+    assert parse_steps("5:7") == (5, 7)
+    with pytest.raises(ValueError):
+        parse_steps("5")
+    assert parse_since("2h", now=10_000.0) == 10_000.0 - 7200
+    assert parse_since("2026-01-01T00:00:00+00:00") == 1767225600.0
