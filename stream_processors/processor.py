@@ -111,8 +111,17 @@ class TelemetryProcessor:
                 )
             ms.window, closed = roll(ms.window, series.steps, series.values, self.rollup_steps)
             rollups += [
-                w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now)
+                w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
+                            world_size=batch.world_size)
                 for w in closed
+            ]
+        if batch.final:
+            # The rank closes: its open windows would never close, so send them now. They stay open: a
+            # rank that carries on (restarted) sends the window again, complete, and that rollup wins.
+            rollups += [
+                ms.window.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps,
+                                    now=now, world_size=batch.world_size)
+                for metric, ms in state.metrics.items() if ms.window is not None
             ]
         steps = [int(s.steps.max()) for s in batch.series.values() if len(s.steps)]
         cross = {m: s for m, s in batch.series.items() if m == COLLECTIVE_WAIT or self._cross_rank(m)}

@@ -1,4 +1,5 @@
-"""Step-window rollups as sufficient statistics (count, mean, M2, min, max), never lists of points.
+"""Step-window rollups as sufficient statistics (count, mean, M2, min, max, a quantile sketch), never
+lists of points.
 
 Windows are tumbling in training steps, ``[k*W, (k+1)*W)``: steps, not seconds, are what people
 compare across ranks and runs. A window closes when a later window's first point arrives.
@@ -7,11 +8,12 @@ compare across ranks and runs. A window closes when a later window's first point
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from rankwatch.contract import Rollup
+from rankwatch.sketch import Sketch
 
 
 @dataclass
@@ -24,9 +26,16 @@ class Window:
     min: float = math.inf
     max: float = -math.inf
     last: float = math.nan
+    first_step: int | None = None  # the steps the window saw
+    last_step: int | None = None
+    sketch: Sketch = field(default_factory=Sketch)  # finite values, for p50/p95/p99
 
-    def add(self, values: np.ndarray) -> None:
+    def add(self, values: np.ndarray, steps: np.ndarray | None = None) -> None:
         """Merge a block of values (Chan et al.'s parallel update: one pass, numerically stable)."""
+        if steps is not None and len(steps):
+            first, last = int(steps[0]), int(steps[-1])
+            self.first_step = first if self.first_step is None else min(self.first_step, first)
+            self.last_step = last if self.last_step is None else max(self.last_step, last)
         if len(values) == 1:
             return self._add_one(float(values[0]))
         finite = values[np.isfinite(values)]
@@ -43,6 +52,7 @@ class Window:
         self.mean += delta * n / total
         self.m2 += b_m2 + delta * delta * self.count * n / total
         self.count = total
+        self.sketch.add(finite)
         self.min = min(self.min, float(finite.min()))
         self.max = max(self.max, float(finite.max()))
 
@@ -54,29 +64,37 @@ class Window:
             self.nonfinite += 1
             return
         self.count += 1
+        self.sketch.add_one(x)
         delta = x - self.mean
         self.mean += delta / self.count
         self.m2 += delta * (x - self.mean)
         self.min, self.max = min(self.min, x), max(self.max, x)
 
-    def to_rollup(self, *, run: str, rank: int, metric: str, width: int, now: float) -> Rollup:
+    def to_rollup(self, *, run: str, rank: int, metric: str, width: int, now: float,
+                  world_size: int | None = None) -> Rollup:
         std = math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0
         empty = self.count == 0
+        p50, p95, p99 = self.sketch.quantiles()
         return Rollup(
             run=run, rank=rank, metric=metric,
             start_step=self.index * width, end_step=(self.index + 1) * width,
             count=self.count, nonfinite=self.nonfinite,
             mean=math.nan if empty else self.mean, std=std,
             min=math.nan if empty else self.min, max=math.nan if empty else self.max,
-            last=self.last, ts=now,
+            last=self.last, ts=now, first_step=self.first_step, last_step=self.last_step, world_size=world_size,
+            p50=p50, p95=p95, p99=p99, sketch=None if empty else self.sketch.to_wire(),
         )
 
     def to_dict(self) -> dict:
-        return {k: (v if not isinstance(v, float) or math.isfinite(v) else repr(v)) for k, v in asdict(self).items()}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "sketch"}
+        d = {k: (v if not isinstance(v, float) or math.isfinite(v) else repr(v)) for k, v in d.items()}
+        return {**d, "sketch": self.sketch.to_wire()}
 
     @classmethod
     def from_dict(cls, d: dict) -> Window:
-        return cls(**{k: float(v) if isinstance(v, str) else v for k, v in d.items()})
+        # State written before windows kept a sketch has none: its quantiles cover the points after.
+        sketch = Sketch.from_wire(d.get("sketch"))
+        return cls(**{k: float(v) if isinstance(v, str) else v for k, v in d.items() if k != "sketch"}, sketch=sketch)
 
 
 def roll(window: Window | None, steps: np.ndarray, values: np.ndarray, width: int) -> tuple[Window | None, list[Window]]:
@@ -100,5 +118,5 @@ def roll(window: Window | None, steps: np.ndarray, values: np.ndarray, width: in
             window = None
         if window is None:
             window = Window(index=k)
-        window.add(values[lo:hi])
+        window.add(values[lo:hi], steps[lo:hi])
     return window, closed

@@ -22,6 +22,7 @@ from rankwatch.contract import (
     encode_float,
     telemetry_key,
 )
+from rankwatch.contract.telemetry import ROLLUP_EXTRAS
 from rankwatch.errors import RankwatchError, SchemaError
 
 
@@ -302,7 +303,8 @@ def test_wrong_kind_raises(cls):
 
 # Fields added after schema 1 shipped are optional, so older producers stay valid.
 OPTIONAL = {(Alert, "score"), (Alert, "incident"), (Alert, "ranks"), (TelemetryBatch, "final"),
-            (DeadLetter, "payload_size"), (DeadLetter, "payload_sha256"), (DeadLetter, "truncated")}
+            (DeadLetter, "payload_size"), (DeadLetter, "payload_sha256"), (DeadLetter, "truncated"),
+            *((Rollup, name) for name in ROLLUP_EXTRAS)}
 REQUIRED = [
     (cls, name)
     for cls in DECODERS
@@ -524,3 +526,19 @@ def test_decode_any_reads_every_kind_and_rejects_non_objects():
         decode_any(b"\xff\xfe\x00")
     with pytest.raises(SchemaError, match="object"):
         decode_any(b"[]")
+
+
+def test_a_rollup_of_schema_1_as_first_shipped_still_decodes():
+    old = (b'{"schema":1,"kind":"rollup","run":"r","rank":0,"metric":"m","start_step":0,"end_step":10,"count":1,'
+           b'"nonfinite":0,"mean":1.0,"std":0.0,"min":1.0,"max":1.0,"last":1.0,"ts":1.0}')
+    r = Rollup.from_bytes(old)
+    assert (r.sketch, r.world_size, r.first_step) == (None, None, None) and math.isnan(r.p99)
+
+
+@pytest.mark.parametrize("sketch", [{"means": [1.0], "weights": []}, {"means": ["NaN"], "weights": [1.0]},
+                                    {"means": [1.0], "weights": [0.0]}, {"means": [1.0]}])
+def test_a_malformed_rollup_sketch_is_rejected(sketch):
+    obj = json.loads(Rollup(run="r", rank=0, metric="m", start_step=0, end_step=10, count=1, nonfinite=0, mean=1.0,
+                            std=0.0, min=1.0, max=1.0, last=1.0, ts=1.0).to_bytes())
+    with pytest.raises(SchemaError):
+        Rollup.from_bytes(json.dumps({**obj, "sketch": sketch}).encode())

@@ -81,7 +81,9 @@ def test_a_replayed_batch_changes_nothing(store):
         records(alert(), topic="rankwatch.alerts")
     store.write(batch)
     before = dump(store)
-    assert len(before["rollups"]) == 3 and len(before["reports"]) == 1 and len(before["alerts"]) == 1
+    per_rank = [r for r in before["rollups"] if r["rank"] is not None]
+    assert len(per_rank) == 3 and len(before["reports"]) == 1 and len(before["alerts"]) == 1
+    assert len(before["rollups"]) == 5  # and a row merged across ranks per window
     store.write(batch)
     store.write(batch[2:4])  # a partial replay, as after a crash between poll and commit
     assert dump(store) == before
@@ -117,8 +119,8 @@ def test_filters(store):
     q = Queries(store.db)
     assert [r["start_step"] for r in q.rollups("r1", Filters(metric="loss", rank=0))] == [0, 10, 20]
     assert [r["start_step"] for r in q.rollups("r1", Filters(metric="loss", rank=0, steps=(12, 20)))] == [10, 20]
-    assert [r["rank"] for r in q.rollups("r1", Filters(metric="loss", steps=(None, 5)))] == [0, 1]
-    assert [r["start_step"] for r in q.rollups("r1", Filters(since=400.0))] == [20]
+    assert [r["rank"] for r in q.rollups("r1", Filters(metric="loss", steps=(None, 5)))] == [None, 0, 1]
+    assert [(r["rank"], r["start_step"]) for r in q.rollups("r1", Filters(since=400.0))] == [(None, 20), (0, 20)]
     assert [r.eval_id for r in q.eval_reports("r1", Filters(steps=(15, None)))] == ["e20"]
     assert list(q.eval_reports("r1", Filters(metric="correct"))[0].metrics) == ["correct"]
     assert [a["status"] for a in q.alerts("r1", Filters(steps=(20, 30)))] == ["resolved"]
@@ -149,3 +151,45 @@ def test_parsers():
         parse_steps("5")
     assert parse_since("2h", now=10_000.0) == 10_000.0 - 7200
     assert parse_since("2026-01-01T00:00:00+00:00") == 1767225600.0
+
+
+def _window_rollup(run, rank, values, start=0, width=100, world=2) -> Rollup:
+    import numpy as np
+
+    from rankwatch.stream_processors.windows import roll
+
+    steps = np.arange(start, start + len(values))
+    window, _ = roll(None, steps, np.asarray(values, dtype=float), width)
+    return window.to_rollup(run=run, rank=rank, metric="loss", width=width, now=123.0, world_size=world)
+
+
+def test_ranks_merge_into_a_run_wide_row_with_quantiles(store):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.lognormal(size=60), rng.lognormal(size=40) * 3
+    b[5] = math.nan
+    store.write(records(_window_rollup("r1", 0, a), _window_rollup("r1", 1, b)))
+    q = Queries(store.db)
+    [merged] = q.rollups("r1", Filters(rank="all"))
+    both = np.concatenate([a, b[np.isfinite(b)]])
+    assert (merged["rank"], merged["ranks"], merged["count"], merged["nonfinite"]) == (None, 2, 99, 1)
+    assert merged["mean"] == pytest.approx(both.mean()) and merged["std"] == pytest.approx(both.std(ddof=1))
+    assert (merged["min"], merged["max"]) == (pytest.approx(both.min()), pytest.approx(both.max()))
+    assert (merged["first_step"], merged["last_step"], merged["world_size"]) == (0, 59, 2)
+    for name, p in (("p50", 50), ("p95", 95), ("p99", 99)):  # at most 100 points per rank: nearly exact
+        rank_error = abs(np.mean(both <= merged[name]) - p / 100)
+        assert rank_error <= 0.02, (name, merged[name], np.percentile(both, p))
+    [rank0] = q.rollups("r1", Filters(rank=0))
+    assert rank0["p50"] == pytest.approx(np.median(a), rel=0.05)
+    before = dump(store)
+    store.write(records(_window_rollup("r1", 1, b), start=1))  # a replay of one rank, from where it was
+    assert dump(store) == before
+
+
+def test_a_complete_window_supersedes_the_partial_one_a_closing_rank_sent(store):
+    store.write(records(_window_rollup("r1", 0, [1.0, 2.0]), _window_rollup("r1", 1, [5.0])))
+    store.write(records(_window_rollup("r1", 0, [1.0, 2.0, 3.0, 4.0])))
+    rows = {r["rank"]: r for r in Queries(store.db).rollups("r1")}
+    assert (rows[0]["count"], rows[None]["count"], rows[None]["max"]) == (4, 5, 5.0)
+    assert rows[None]["last"] == 4.0  # rank 0 got furthest (step 3)

@@ -15,7 +15,7 @@ from rankwatch import contract
 from rankwatch.cli import main
 from rankwatch.contract import Alert, Series, TelemetryBatch
 from rankwatch.sinks.store import ReportStore
-from rankwatch.sinks.store_query import Queries
+from rankwatch.sinks.store_query import Filters, Queries
 from rankwatch.sinks.store_sink import StoreSink
 from test_store import alert, report
 
@@ -53,7 +53,7 @@ def test_the_stack_stores_rollups_reports_and_alerts_and_report_answers_from_the
           report(run=run_id), alert(run=run_id))
     queries = Queries(ReportStore(url).db)
     assert _wait(lambda: len(queries.eval_reports(run_id)) and len(queries.alerts(run_id))
-                 and len(queries.rollups(run_id, )) >= 4)
+                 and len(queries.rollups(run_id, Filters(rank="all"))) >= 3)
 
     assert main(["report", "--run", run_id, "--json", "--store", url]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -64,6 +64,13 @@ def test_the_stack_stores_rollups_reports_and_alerts_and_report_answers_from_the
     first = next(r for r in per_rank if (r["rank"], r["start_step"]) == (1, 0))
     assert first["count"] == 10 and first["mean"] == pytest.approx(np.mean(2.0 + 0.01 * np.arange(10)))
     assert [a["status"] for a in out["alerts"]] == ["firing"]
+    # The ranks closed (final) in the middle of window [20, 30): it came anyway, partial.
+    partial = next(r for r in per_rank if (r["rank"], r["start_step"]) == (0, 20))
+    assert (partial["count"], partial["first_step"], partial["last_step"]) == (5, 20, 24)
+    run_wide = next(r for r in out["rollups"] if r["rank"] is None and r["start_step"] == 0)
+    assert (run_wide["ranks"], run_wide["count"], run_wide["world_size"]) == (2, 20, 2)
+    both = np.concatenate([1.0 + 0.01 * np.arange(10), 2.0 + 0.01 * np.arange(10)])
+    assert abs(np.mean(both <= run_wide["p50"]) - 0.5) <= 0.05 and run_wide["p99"] <= both.max()
 
     assert main(["report", "--run", run_id, "--store", url, "--metric", "loss", "--steps", "0:200"]) == 0
     table = capsys.readouterr().out

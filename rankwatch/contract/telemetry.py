@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -123,7 +124,14 @@ class TelemetryBatch:
 
 @dataclass(frozen=True)
 class Rollup:
-    """Summary of one metric of one rank over a closed window of steps ``[start_step, end_step)``."""
+    """Summary of one metric of one rank over a closed window of steps ``[start_step, end_step)``.
+
+    The fields after ``ts`` came later within schema 1: optional, so older messages still decode.
+    ``first_step``/``last_step`` are the steps the window saw; ``p50``/``p95``/``p99`` come from
+    ``sketch``, the window's t-digest centroids ``{"means": [...], "weights": [...]}``, which a
+    reader merges across ranks or windows (``rankwatch.sketch.Sketch.from_wire``). A closing rank
+    sends its open window early: a later rollup of the same window supersedes it.
+    """
 
     run: str
     rank: int
@@ -138,6 +146,13 @@ class Rollup:
     max: float
     last: float
     ts: float
+    first_step: int | None = None
+    last_step: int | None = None
+    world_size: int | None = None
+    p50: float = math.nan
+    p95: float = math.nan
+    p99: float = math.nan
+    sketch: dict | None = None
 
     KIND = "rollup"
     TOPIC = REPORTS
@@ -154,8 +169,10 @@ class Rollup:
     def from_bytes(cls, data: bytes) -> Rollup:
         obj = loads(data, cls.KIND)
         floats = {"mean", "std", "min", "max", "last"}
-        kwargs = {}
+        kwargs = _rollup_extras(obj)
         for name in cls.__dataclass_fields__:
+            if name in ROLLUP_EXTRAS:
+                continue
             if name in floats:
                 kwargs[name] = float_field(obj, name)
             elif name == "ts":
@@ -163,3 +180,28 @@ class Rollup:
             else:
                 kwargs[name] = field_of(obj, name, str if name in ("run", "metric") else int)
         return cls(**kwargs)
+
+
+#: Rollup fields added within schema 1; absent from older messages.
+ROLLUP_EXTRAS = ("first_step", "last_step", "world_size", "p50", "p95", "p99", "sketch")
+MAX_CENTROIDS = 1000  # far above what rankwatch sends (100): a bound on what a reader accepts
+
+
+def _rollup_extras(obj: dict) -> dict:
+    out = {}
+    for name in ("first_step", "last_step", "world_size"):
+        if obj.get(name) is not None:
+            out[name] = field_of(obj, name, int)
+    for name in ("p50", "p95", "p99"):
+        if name in obj:
+            out[name] = float_field(obj, name)
+    if obj.get("sketch") is not None:
+        sketch = field_of(obj, "sketch", dict)
+        means, weights = field_of(sketch, "means", list), field_of(sketch, "weights", list)
+        if len(means) != len(weights) or len(means) > MAX_CENTROIDS:
+            raise SchemaError(f"sketch: {len(means)} means and {len(weights)} weights (equal, at most {MAX_CENTROIDS})")
+        values = [decode_float(v) for v in means + weights]
+        if not all(math.isfinite(v) for v in values) or any(w <= 0 for w in values[len(means):]):
+            raise SchemaError("sketch: means must be finite and weights positive")
+        out["sketch"] = {"means": values[: len(means)], "weights": values[len(means):]}
+    return out

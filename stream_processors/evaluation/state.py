@@ -210,6 +210,14 @@ class EvalProcessor:
         """Consistency and coverage findings of a non-provisional report."""
         findings, evaluated = [], [("eval_coverage", "duplicate_ids"), ("eval_coverage", "missing_ids")]
         owners = np.asarray(state.owners, dtype=np.int64)
+        for name, summary in report.metrics.items():
+            evaluated.append(("eval_nonfinite", name))
+            if summary["n"] == 0 and summary.get("nonfinite", 0) > 0:
+                findings.append(Finding(
+                    "eval_nonfinite", name, None, math.nan, 1.0, "critical",
+                    f"eval {state.eval_id} (step {state.step}): every value of {name} is NaN or infinite "
+                    f"({summary['nonfinite']} of them): the model or the metric is broken",
+                ))
         for name, column in state.values.items():
             values = np.asarray(column, dtype=np.float64)
             result = consistency({r: values[owners == r] for r in np.unique(owners).tolist()}, alpha=self.alpha)

@@ -2,7 +2,7 @@
 
 Pure numpy/scipy. A metric whose finite values are all 0 or 1 is a proportion (accuracy, pass@1) and
 gets binomial methods; anything else is continuous and gets t / rank-based methods. Non-finite
-values are left out of every statistic (``n`` counts what was used).
+values are left out of every statistic (``n`` counts what was used, ``nonfinite`` what was not).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Summary:
     ci_low: float
     ci_high: float
     method: str  # "wilson" (0/1 values) or "t"
+    nonfinite: int = 0  # NaN and infinite values, left out: a metric with n == 0 and nonfinite > 0 is all NaN
 
     @property
     def binary(self) -> bool:
@@ -75,7 +76,9 @@ class Summary:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Summary:
-        return cls(**{name: d[name] for name in cls.__dataclass_fields__})
+        # ``nonfinite`` came later: summaries kept in state from before have none.
+        return cls(**{name: d[name] for name in cls.__dataclass_fields__ if name != "nonfinite"},
+                   nonfinite=d.get("nonfinite", 0))
 
 
 def summarize(values, confidence: float = 0.95) -> Summary:
@@ -89,19 +92,20 @@ def summarize(values, confidence: float = 0.95) -> Summary:
     """
     a = finite(values)
     n = int(a.size)
+    bad = int(np.asarray(values).size) - n
     if n == 0:
-        return Summary(0, math.nan, math.nan, math.nan, math.nan, "t")
+        return Summary(0, math.nan, math.nan, math.nan, math.nan, "t", bad)
     mean = float(a.mean())
     std = float(a.std(ddof=1)) if n > 1 else math.nan
     if is_binary(a):
         lo, hi = wilson_interval(a.sum(), n, confidence)
-        return Summary(n, mean, std, float(lo), float(hi), "wilson")
+        return Summary(n, mean, std, float(lo), float(hi), "wilson", bad)
     if n < 2:
-        return Summary(n, mean, std, math.nan, math.nan, "t")
+        return Summary(n, mean, std, math.nan, math.nan, "t", bad)
     if std == 0.0:
-        return Summary(n, mean, std, mean, mean, "t")
+        return Summary(n, mean, std, mean, mean, "t", bad)
     lo, hi = stats.t.interval(confidence, n - 1, loc=mean, scale=std / math.sqrt(n))
-    return Summary(n, mean, std, float(lo), float(hi), "t")
+    return Summary(n, mean, std, float(lo), float(hi), "t", bad)
 
 
 def holm(pvalues) -> np.ndarray:
