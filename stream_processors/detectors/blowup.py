@@ -5,8 +5,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from scipy.special import ndtri
 
+from rankwatch.stream_processors.detectors.calibration import THRESHOLD
 from rankwatch.stream_processors.detectors.spike import RobustSpike
 
 
@@ -16,10 +16,12 @@ class Blowup(RobustSpike):
     KL divergence, importance-weight ratios, grad norms and losses live on multiplicative scales,
     where "ten times the usual" is the meaningful unit and a fall towards zero is no fault. Each
     point's ``log`` is compared with the median/MAD of the logs of the last ``window`` points, and
-    only upward deviations count: ``score = 2*Phi(z / z_scale) - 1``, default threshold 0.99
-    (z > 7.7), with ``spike``'s tail-aware unit. The log-scale sigma is floored so that nothing below ``min_factor`` times the
-    rolling median can reach the threshold, however steady the metric was. Values at or below
-    ``floor`` (zero, or a slightly negative KL estimate) are taken as ``floor``.
+    only upward deviations count, scored and calibrated as ``spike`` scores them (a tail
+    probability under the learned distribution of z). The log-scale sigma is floored at a sixth
+    of ``log(min_factor)``, and a point less than ``min_factor`` times the rolling median never
+    scores above a 3.5-sigma point (under the default threshold), however steady the metric was: a 1.5x wobble of a flat KL is no
+    blow-up. Values at or below ``floor`` (zero, or a slightly negative KL estimate) are taken as
+    ``floor``.
 
     Suits ``kl``, ``importance_weight`` / ``ratio_max``, ``grad_norm``, ``clip_fraction`` spikes.
 
@@ -27,7 +29,7 @@ class Blowup(RobustSpike):
     --------
     >>> rng = np.random.default_rng(0)
     >>> d = Blowup(window=32, warmup=16)
-    >>> kl = np.r_[np.exp(rng.normal(np.log(0.01), 0.3, 40)), 0.002, 0.5]
+    >>> kl = np.r_[np.exp(rng.normal(np.log(0.01), 0.3, 200)), 0.002, 0.5]
     >>> d.decide(d.update(kl))[-3:].tolist()
     [False, False, True]
     """
@@ -40,20 +42,24 @@ class Blowup(RobustSpike):
         *,
         window: int = 64,
         warmup: int = 20,
-        z_scale: float = 3.0,
-        threshold: float = 0.99,
+        threshold: float = THRESHOLD,
         min_factor: float = 3.0,
         floor: float = 1e-12,
         tail: float = 0.95,
+        memory: int = 1000,
+        rebase: int = 8,
         history: Sequence[float] = (),
+        calib: Sequence[Any] = (),
+        run: int = 0,
     ):
         if min_factor <= 1 or floor <= 0:
             raise ValueError("need min_factor > 1 and floor > 0")
-        super().__init__(window=window, warmup=warmup, z_scale=z_scale, threshold=threshold, direction="up", tail=tail)
+        super().__init__(
+            window=window, warmup=warmup, threshold=threshold, direction="up", tail=tail, memory=memory,
+            rebase=rebase, history=history, calib=calib, run=run,
+        )
         self.min_factor, self.floor = min_factor, floor
-        self.history = [float(v) for v in history][-window:]  # already on the log scale
-        # The log-scale sigma at which a jump of exactly min_factor scores the threshold.
-        self._min_log_scale = math.log(min_factor) / (z_scale * float(ndtri((1.0 + threshold) / 2.0)))
+        self._min_log_scale = math.log(min_factor) / 6.0  # a min_factor jump is z = 6 at least
 
     def _transform(self, values: np.ndarray) -> np.ndarray:
         return np.log(np.maximum(values, self.floor))
@@ -61,14 +67,25 @@ class Blowup(RobustSpike):
     def _floor(self, median: np.ndarray) -> np.ndarray:
         return np.full(len(median), self._min_log_scale)
 
+    def _z_rows(self, points: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        center, scale = self._center_scale(rows)
+        z = (points - center) / scale
+        # Below min_factor times the median a point counts as a 3.5-sigma one at most: rarer than one
+        # in a thousand under the prior, yet under the default threshold (see the docstring).
+        small = points - center < math.log(self.min_factor)
+        return np.where(small, np.minimum(z, 3.5), z)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "window": self.window,
             "warmup": self.warmup,
-            "z_scale": self.z_scale,
             "threshold": self.threshold,
             "min_factor": self.min_factor,
             "floor": self.floor,
             "tail": self.tail,
+            "memory": self.memory,
+            "rebase": self.rebase,
             "history": list(self.history),
+            "calib": self.calib.state(),
+            "run": self.run,
         }

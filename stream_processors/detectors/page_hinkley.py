@@ -5,6 +5,7 @@ from typing import Any
 
 import numpy as np
 
+from rankwatch.stream_processors.detectors.calibration import THRESHOLD
 from rankwatch.stream_processors.detectors.cusum import _Accumulating
 
 
@@ -23,8 +24,8 @@ class PageHinkley(_Accumulating):
     units as ``cusum``'s (MAD-sigma of the last ``window`` points, or the long-run sigma if larger)
     and clipped to ``clip``; the regime's mean starts at the median of its first ``warmup`` points
     and learns each later point clipped the same way, so one outlier can neither alarm nor move the
-    reference far. The score is ``1 - 2**(-(S/lam)**2)``, 0.5 (the default threshold) when a sum
-    reaches ``lam`` (defaults ``delta=1, lam=12`` chosen on the tune half of ``bench/data``).
+    reference far. The score is calibrated as ``cusum``'s is: before it has learned anything, the
+    default threshold is reached when a sum reaches ``lam`` (defaults ``delta=1, lam=12`` chosen on the tune half of ``bench/data``).
     After an alarm a new regime starts at the estimated change point, so a change is reported once.
 
     Suits metrics that should hold a level: step time, throughput, grad norm, eval metrics;
@@ -51,7 +52,7 @@ class PageHinkley(_Accumulating):
         alpha: float = 0.999,
         clip: float = 3.0,
         long_run: bool = True,
-        threshold: float = 0.5,
+        threshold: float = THRESHOLD,
         min_scale: float = 1e-6,
         direction: str = "both",
         history: Sequence[float] = (),
@@ -62,12 +63,15 @@ class PageHinkley(_Accumulating):
         pos_run: int = 0,
         neg_run: int = 0,
         noise: Sequence[float] = (0.0, 0.0, 0),
+        memory: int = 1000,
+        calib: Sequence[Any] = (),
     ):
         if not 0 < alpha <= 1:
             raise ValueError("need 0 < alpha <= 1")
         super().__init__(
             window=window, warmup=warmup, k=delta, h=lam, clip=clip, long_run=long_run, threshold=threshold, min_scale=min_scale,
             direction=direction, history=history, pos=pos, neg=neg, pos_run=pos_run, neg_run=neg_run, noise=noise,
+            memory=memory, calib=calib,
         )
         self.delta, self.lam, self.alpha = delta, lam, alpha
         self.mean, self.count = float(mean), int(count)
