@@ -1,0 +1,136 @@
+"""NaN-to-alert latency at cluster scale (issue 16, goal 2): N quiet ranks and one real publisher.
+
+One run of N + 1 ranks, M metrics each, one step a second. Ranks 1..N are simulated
+(``rankwatch.sim.QuietRanks``, the documented JSON format) by a separate process through a plain
+producer; rank 0 is a real ``RankPublisher`` (sender thread, spool, shipper process) in this
+process, logging the same kind of values, and every ``--gap-steps`` steps its ``loss`` is NaN. The
+latency is from that ``log()`` call to the firing ``nonfinite`` alert being readable on
+``rankwatch.alerts`` by a plain consumer. Any alert about a quiet rank is counted as false. One
+worker, the embedded broker; the broker, the worker, the simulator and this process share the
+machine's cores. Prints a table; asserts nothing.
+
+    python bench/scale_latency.py --ranks 128 1024 --trials 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import threading
+import time
+
+import numpy as np
+from kafka import KafkaConsumer, TopicPartition
+
+from rankwatch import contract
+from rankwatch.broker import free_port
+from rankwatch.contract import Alert
+from rankwatch.producers import RankPublisher
+from rankwatch.settings import Settings
+from rankwatch.sim import QuietRanks, paced
+from rankwatch.stack import Stack
+
+WARMUP_STEPS = 20  # detectors warm up, and the worker joins, before the first NaN
+
+
+def _simulate(bootstrap: str, run: str, ranks: int, metrics: int, ticks: int, start_at: float) -> None:
+    time.sleep(max(0.0, start_at - time.time()))
+    sim = QuietRanks(run=run, ranks=ranks, first_rank=1, world_size=ranks + 1, metrics=metrics)
+    paced(bootstrap, [sim], hz=1.0, ticks=ticks)
+
+
+class AlertWatch(threading.Thread):
+    """Notes when each firing nonfinite alert of rank 0 is readable, and every alert on another rank."""
+
+    def __init__(self, bootstrap: str, run: str):
+        super().__init__(daemon=True)
+        self.bootstrap, self.run = bootstrap, run
+        self.seen_at: dict[int, float] = {}  # incident step -> time read
+        self.false: list[Alert] = []
+        self.stop = threading.Event()
+        self.ready = threading.Event()
+
+    def run(self) -> None:  # noqa: D102 (Thread.run)
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, fetch_max_wait_ms=10, enable_auto_commit=False)
+        tps = [TopicPartition(contract.ALERTS, p) for p in consumer.partitions_for_topic(contract.ALERTS)]
+        consumer.assign(tps)
+        consumer.seek_to_end(*tps)
+        consumer.poll(timeout_ms=0)
+        self.ready.set()
+        while not self.stop.is_set():
+            for records in consumer.poll(timeout_ms=20).values():
+                now = time.time()
+                for r in records:
+                    a = Alert.from_bytes(r.value)
+                    if a.run != self.run or a.status != "firing":
+                        continue
+                    ranks = set(a.ranks) | ({a.rank} if a.rank is not None else set())
+                    if a.detector == "nonfinite" and ranks == {0}:
+                        self.seen_at.setdefault(a.incident, now)
+                    elif ranks - {0} or a.rank is None:
+                        self.false.append(a)
+        consumer.close()
+
+
+def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int) -> dict:
+    run = f"scale-{ranks}-{time.time_ns()}"
+    ticks = WARMUP_STEPS + trials * gap + 3
+    watch = AlertWatch(bootstrap, run)
+    watch.start()
+    watch.ready.wait(30)
+    start_at = time.time() + 2.0  # the simulator process imports and connects meanwhile
+    sim = multiprocessing.get_context("spawn").Process(
+        target=_simulate, args=(bootstrap, run, ranks, metrics, ticks, start_at), daemon=True)
+    sim.start()
+    me = QuietRanks(run=run, ranks=1, world_size=ranks + 1, metrics=metrics)
+    publisher = RankPublisher(run=run, rank=0, world_size=ranks + 1, bootstrap=bootstrap, samplers=[])
+    sent_at: dict[int, float] = {}
+    time.sleep(max(0.0, start_at - time.time()))
+    for step in range(ticks):
+        time.sleep(max(0.0, start_at + step - time.time()))
+        values = me.values(0, step, np.array([step]))[:, 0]
+        metrics_now = dict(zip(me.names, values.tolist()))
+        if step >= WARMUP_STEPS and (step - WARMUP_STEPS) % gap == 0 and len(sent_at) < trials:
+            metrics_now["loss"] = float("nan")
+            sent_at[step] = time.time()
+        publisher.log(metrics_now, step)
+    publisher.close()
+    sim.join(60)
+    time.sleep(3.0)
+    watch.stop.set()
+    watch.join()
+    lat = np.array([watch.seen_at[s] - t for s, t in sent_at.items() if s in watch.seen_at]) * 1000
+    pct = (lambda q: float(np.percentile(lat, q))) if len(lat) else (lambda q: float("nan"))
+    return {"ranks": ranks, "trials": len(sent_at), "missed": len(sent_at) - len(lat), "p50": pct(50),
+            "p99": pct(99), "max": float(lat.max()) if len(lat) else float("nan"), "false": len(watch.false),
+            "false_kinds": sorted({f"{a.detector}:{a.metric}" for a in watch.false})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--metrics", type=int, default=32)
+    ap.add_argument("--trials", type=int, default=30)
+    ap.add_argument("--gap-steps", type=int, default=8, help="steps between NaNs (the alert resolves in 5)")
+    ap.add_argument("--partitions", type=int, default=8)
+    args = ap.parse_args()
+    settings = Settings(data_dir=f"/tmp/rankwatch-scale-{time.time_ns()}", partitions=args.partitions)
+    rows = []
+    with Stack(settings, embedded=True, port=free_port()) as stack:
+        for n in args.ranks:
+            print(f"measuring {n} quiet ranks + 1 publisher, {args.trials} NaNs …", flush=True)
+            rows.append(measure(stack.bootstrap, n, args.metrics, args.trials, args.gap_steps))
+    load = os.getloadavg()
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load {load[0]:.1f}/{load[1]:.1f}; "
+          f"NaN-to-alert, 1 worker, {args.metrics} metrics per rank, 1 step/s")
+    print("| quiet ranks | values/s | NaNs | missed | p50 ms | p99 ms | max ms | alerts on quiet ranks |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        kinds = f" ({', '.join(r['false_kinds'])})" if r["false"] else ""
+        print(f"| {r['ranks']} | {(r['ranks'] + 1) * args.metrics:,} | {r['trials']} | {r['missed']} | {r['p50']:.0f} "
+              f"| {r['p99']:.0f} | {r['max']:.0f} | {r['false']}{kinds} |")
+
+
+if __name__ == "__main__":
+    main()

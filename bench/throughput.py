@@ -1,0 +1,172 @@
+"""Worker throughput against the cost of just reading the messages (issue 16, goals 1 and 4).
+
+For each worker count: a fresh embedded broker, a telemetry topic preloaded with N simulated ranks
+x K messages x (S steps x M metrics) in the documented JSON format (``rankwatch.sim``), then
+
+1. a plain kafka-python consumer reads every message and json-decodes it into numpy arrays (the
+   floor any consumer of this format pays), timed in the same run;
+2. the contract decode alone (``TelemetryBatch.from_bytes`` on the bytes read in 1, no I/O);
+3. ``rankwatch worker`` processes (1, 2, 4 … of them, one consumer group): timed from its first
+   run event to the last rank's ``final`` progress on ``rankwatch.run_events``, which stage 1
+   sends after applying each rank's last message. CPU seconds are the workers' own (from /proc),
+   which the load of other jobs on a shared machine disturbs less than wall time.
+
+Prints a table; asserts nothing. The broker, the bench and the workers share the machine's cores.
+
+    python bench/throughput.py --ranks 1024 --messages 10 --steps 64 --metrics 16 --workers 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import aiokafka
+import numpy as np
+from kafka import KafkaConsumer, TopicPartition
+
+from rankwatch import contract
+from rankwatch.broker import free_port
+from rankwatch.contract import TelemetryBatch
+from rankwatch.settings import Settings
+from rankwatch.sim import QuietRanks, produce
+from rankwatch.stack import Stack
+
+
+def _consumer(bootstrap: str, topic: str) -> tuple[KafkaConsumer, list[TopicPartition]]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=20,
+                             max_partition_fetch_bytes=8 << 20, fetch_max_bytes=64 << 20)
+    tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    return consumer, tps
+
+
+def plain_read(bootstrap: str, expected: int) -> tuple[float, float, list[bytes]]:
+    """Read ``expected`` telemetry messages with aiokafka (Faust's client), json-decode each series
+    into numpy; return (wall s, cpu s, the raw values)."""
+    return asyncio.run(_plain_read(bootstrap, expected))
+
+
+async def _plain_read(bootstrap: str, expected: int) -> tuple[float, float, list[bytes]]:
+    consumer = aiokafka.AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                         fetch_max_wait_ms=20, max_partition_fetch_bytes=8 << 20)
+    await consumer.start()
+    tps = [aiokafka.TopicPartition(contract.TELEMETRY, p) for p in consumer.partitions_for_topic(contract.TELEMETRY)]
+    consumer.assign(tps)
+    await consumer.seek_to_beginning(*tps)
+    raw: list[bytes] = []
+    values = 0
+    wall, cpu = time.perf_counter(), time.process_time()
+    while len(raw) < expected:
+        for records in (await consumer.getmany(timeout_ms=200, max_records=5000)).values():
+            for r in records:
+                obj = json.loads(r.value)
+                for s in obj["series"].values():
+                    # what any reader of the format pays ("NaN" strings would need a slower path)
+                    np.asarray(s["steps"], dtype=np.int64)
+                    values += len(np.asarray(s["values"], dtype=np.float64))
+                raw.append(r.value)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    await consumer.stop()
+    return wall, cpu, raw
+
+
+def contract_decode(raw: list[bytes]) -> float:
+    started = time.process_time()
+    for data in raw:
+        TelemetryBatch.from_bytes(data)
+    return time.process_time() - started
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_run(stack: Stack, run: str, ranks: int, timeout_s: float) -> tuple[float, float]:
+    """Start the stack's workers; (wall s from first run event to the last final, worker CPU s)."""
+    consumer, _ = _consumer(stack.bootstrap, contract.RUN_EVENTS)
+    stack.start_workers()
+    cpu0 = {w.proc.pid: _cpu_s(w.proc.pid) for w in stack.workers}
+    finals: set[int] = set()
+    first = last = None
+    deadline = time.monotonic() + timeout_s
+    while len(finals) < ranks and time.monotonic() < deadline:
+        for records in consumer.poll(timeout_ms=100).values():
+            now = time.perf_counter()
+            for r in records:
+                obj = json.loads(r.value)
+                if obj.get("run") != run and obj.get("alert", {}).get("run") != run:
+                    continue
+                first = first or now
+                # one rank's progress, or (batched workers) several ranks' in one event
+                for item in obj.get("items", [obj]):
+                    if item.get("final"):
+                        finals.add(item["rank"])
+                        last = now
+    cpu = sum(_cpu_s(pid) - c for pid, c in cpu0.items())
+    consumer.close()
+    if len(finals) < ranks or first is None:
+        print(f"  worker did not finish within {timeout_s:.0f}s ({len(finals)}/{ranks} ranks final)", flush=True)
+        return float("nan"), cpu
+    return last - first, cpu
+
+
+def trial(args, workers: int) -> dict:
+    settings = Settings(data_dir=f"/tmp/rankwatch-throughput-{time.time_ns()}", partitions=args.partitions,
+                        app_id=f"bench-throughput-{workers}")
+    stack = Stack(settings, embedded=True, port=free_port(), workers=workers, ready_timeout_s=120)
+    stack.with_store = False
+    stack.n_workers = 0  # the broker first; workers once the topic is loaded
+    with stack:
+        stack.n_workers = workers
+        run = f"tp-{time.time_ns()}"
+        sim = QuietRanks(run=run, ranks=args.ranks, metrics=args.metrics, steps_per_message=args.steps)
+        print(f"[{workers} worker(s)] preloading {args.ranks * args.messages:,} messages …", flush=True)
+        msgs = (m for tick in range(args.messages) for m in sim.messages(tick, final=tick == args.messages - 1))
+        sent = produce(stack.bootstrap, msgs)
+        values = sent * args.steps * args.metrics
+        print(f"[{workers} worker(s)] plain consumer …", flush=True)
+        p_wall, p_cpu, raw = plain_read(stack.bootstrap, sent)
+        d_cpu = contract_decode(raw)
+        del raw
+        print(f"[{workers} worker(s)] worker …", flush=True)
+        w_wall, w_cpu = worker_run(stack, run, args.ranks, args.timeout_s)
+    return {"workers": workers, "values": values, "plain_wall": p_wall, "plain_cpu": p_cpu,
+            "decode_cpu": d_cpu, "worker_wall": w_wall, "worker_cpu": w_cpu}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=256)
+    ap.add_argument("--messages", type=int, default=10, help="messages per rank")
+    ap.add_argument("--steps", type=int, default=64, help="steps per message")
+    ap.add_argument("--metrics", type=int, default=16)
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1])
+    ap.add_argument("--timeout-s", type=float, default=600)
+    args = ap.parse_args()
+    rows = [trial(args, n) for n in args.workers]
+    load = os.getloadavg()
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, {os.cpu_count()} CPUs, "
+          f"load {load[0]:.1f}/{load[1]:.1f}; {args.ranks} ranks x {args.messages} messages x "
+          f"({args.steps} steps x {args.metrics} metrics), {args.partitions} partitions; M values/s")
+    print("| workers | values | plain read+decode (wall) | contract decode (cpu) | worker (wall) | worker (per cpu-s) "
+          "| worker/plain (wall) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        plain, worker = r["values"] / r["plain_wall"] / 1e6, r["values"] / r["worker_wall"] / 1e6
+        print(f"| {r['workers']} | {r['values'] / 1e6:.2f} M | {plain:.2f} | {r['values'] / r['decode_cpu'] / 1e6:.2f} "
+              f"| {worker:.3f} | {r['values'] / r['worker_cpu'] / 1e6:.3f} | {worker / plain:.2f} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
