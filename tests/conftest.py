@@ -1,5 +1,7 @@
 """Shared fixtures. Broker tests run against a real embedded Tansu broker and a real Faust worker,
-started once per session; each test isolates itself with its own run id."""
+started once per session; each test isolates itself with its own run id. Tests marked ``both_brokers``
+run on Apache Kafka too (one KRaft node per session; skipped without Java or Maven, unless
+$RANKWATCH_REQUIRE_KAFKA is set, as CI does)."""
 
 from __future__ import annotations
 
@@ -44,10 +46,46 @@ def _remove_temp_dir():
     shutil.rmtree(_TMP, ignore_errors=True)
 
 
+BROKERS = ("tansu", "kafka")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "both_brokers: run on Apache Kafka as well as on the embedded Tansu broker")
+
+
+def pytest_generate_tests(metafunc):
+    """Every test that needs a broker gets ``broker_kind``: "tansu", and "kafka" too where marked."""
+    if "broker_kind" in metafunc.fixturenames:
+        kinds = BROKERS if metafunc.definition.get_closest_marker("both_brokers") else BROKERS[:1]
+        metafunc.parametrize("broker_kind", kinds, indirect=True, scope="session")
+
+
+def need_kafka() -> None:
+    """Skip (fail, where $RANKWATCH_REQUIRE_KAFKA is set) unless Apache Kafka can run here."""
+    from rankwatch.errors import BrokerError
+    from rankwatch.kafka_broker import java_binary, kafka_classpath
+
+    try:
+        java_binary(), kafka_classpath()
+    except BrokerError as exc:
+        if os.environ.get("RANKWATCH_REQUIRE_KAFKA"):
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory) -> Stack:
+def broker_kind(request) -> str:
+    """Which local broker the session's stack runs (one of BROKERS); tests are grouped by it."""
+    kind = getattr(request, "param", BROKERS[0])
+    if kind == "kafka":
+        need_kafka()
+    return kind
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, broker_kind) -> Stack:
     settings = Settings(data_dir=str(tmp_path_factory.mktemp("rankwatch")), rollup_steps=10, rules=str(TEST_RULES))
-    with Stack(settings, embedded=True, port=_free_port()) as running:
+    with Stack(settings, embedded=True, port=_free_port(), broker=broker_kind) as running:
         yield running
 
 

@@ -36,6 +36,7 @@ def test_help_explains_every_command_and_the_memory_only_broker():
 
 
 @pytest.mark.broker
+@pytest.mark.both_brokers
 def test_alerts_and_tail_print_what_is_on_the_topics(bootstrap, run_id):
     batch = TelemetryBatch(run=run_id, rank=0, world_size=1, producer="p", seq=0, ts=time.time(),
                            series={"loss": Series(np.array([0, 1]), np.array([1.0, float("nan")]))})

@@ -1,4 +1,4 @@
-"""The whole loop on the real embedded broker: ranks -> telemetry -> Faust worker -> alerts."""
+"""The whole loop on a real broker (Tansu and Apache Kafka): ranks -> telemetry -> Faust worker -> alerts."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from rankwatch.producers import RankPublisher, TrainerHook
 from rankwatch import contract
 from rankwatch.contract import Series, TelemetryBatch
 
-pytestmark = pytest.mark.broker
+pytestmark = [pytest.mark.broker, pytest.mark.both_brokers]
 HERE = Path(__file__).parent
 
 ALERT_FIELDS = {

@@ -1,4 +1,4 @@
-"""Distributed evaluation on the real embedded broker: eval shards in, reports, alerts and advice out.
+"""Distributed evaluation on a real broker (Tansu and Apache Kafka): eval shards in, reports, alerts and advice out.
 
 These tests start their own broker and worker (module scope) because they need a short eval
 deadline; the session stack runs with the defaults.
@@ -21,18 +21,28 @@ from rankwatch.contract import EvalShard
 from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 
-pytestmark = pytest.mark.broker
+pytestmark = [pytest.mark.broker, pytest.mark.both_brokers]
 
 WORLD, N = 4, 400
 DEADLINE_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def eval_stack(tmp_path_factory) -> Stack:
+def eval_stack(tmp_path_factory, broker_kind) -> Stack:
     settings = Settings(data_dir=str(tmp_path_factory.mktemp("rankwatch-eval")), eval_deadline_s=DEADLINE_S,
                         eval_provisional_interval_s=0.3, eval_ci_target=0.05, eval_min_samples=100)
-    with Stack(settings, embedded=True, port=free_port()) as running:
+    with Stack(settings, embedded=True, port=free_port(), broker=broker_kind) as running:
         yield running
+
+
+@pytest.fixture(autouse=True)
+def _kafka_changelog_metadata_gap(request, broker_kind):
+    """On Apache Kafka a worker's eval agent can crash on a table write: faust 0.15's
+    ``Producer.key_partition`` reads the changelog's partitions from aiokafka producer metadata that
+    holds only topics it has sent to (``TypeError: 'NoneType' object is not iterable``); Tansu answers
+    metadata for every topic, which hides it. Seen on most runs here; the fix is open (issue 19)."""
+    if broker_kind == "kafka":
+        request.applymarker(pytest.mark.xfail(reason="faust key_partition metadata gap on Apache Kafka", strict=False))
 
 
 @pytest.fixture(scope="module")
