@@ -32,8 +32,9 @@ def wait_for_broker(bootstrap: str, timeout_s: float = 10.0) -> None:
     connect_admin(bootstrap, timeout_s).close()
 
 
-def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOPICS + INTERNAL_TOPICS) -> dict[str, int]:
-    """Create the missing rankwatch topics; return every topic's actual partition count.
+def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOPICS + INTERNAL_TOPICS, *,
+                  replication: int = 1) -> dict[str, int]:
+    """Create the missing rankwatch topics (``replication`` replicas each); return every topic's actual partition count.
 
     A broker that auto-creates topics (Tansu does, with 4 partitions) may get there first, above all
     right after a restart, when clients reconnect. Such a topic that is still empty is deleted and
@@ -48,7 +49,7 @@ def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOP
         if empty:
             log.warning("re-creating %s with %d partitions (found empty, with another count)", empty, partitions)
             _delete(admin, empty)
-        _create(admin, [t for t in topics if t not in counts or t in empty], partitions)
+        _create(admin, [t for t in topics if t not in counts or t in empty], partitions, replication)
         return _partition_counts(admin, topics)
     finally:
         admin.close()
@@ -97,11 +98,11 @@ def _delete(admin: KafkaAdminClient, topics: list[str]) -> None:
         pass  # someone else deleted it first
 
 
-def _create(admin: KafkaAdminClient, topics: list[str], partitions: int) -> None:
+def _create(admin: KafkaAdminClient, topics: list[str], partitions: int, replication: int = 1) -> None:
     if not topics:
         return
     try:
-        admin.create_topics([NewTopic(t, partitions, 1) for t in topics])
+        admin.create_topics([NewTopic(t, partitions, replication) for t in topics])
     except TopicAlreadyExistsError:
         pass  # another process (or an auto-create) won the race; the counts read after are what matters
 

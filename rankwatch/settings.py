@@ -25,6 +25,9 @@ class Settings:
     broker_flavor: str = "auto"
     #: Partitions of every rankwatch topic created by rankwatch; more partitions = more workers.
     partitions: int = 8
+    #: Replicas of every topic rankwatch creates, Faust's changelogs included: 3 on a 3-broker cluster with
+    #: min.insync.replicas 2 (a topic with fewer replicas than that refuses every acks=all write).
+    replication_factor: int = 1
     #: Faust consumer-group id; workers with the same id share the partitions.
     app_id: str = "rankwatch"
     #: Rollup window length in training steps.
@@ -60,8 +63,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.broker_flavor not in FLAVORS:
             raise ValueError(f"broker_flavor must be one of {FLAVORS}, got {self.broker_flavor!r}")
-        if self.partitions < 1 or self.rollup_steps < 1:
-            raise ValueError("partitions and rollup_steps must be >= 1")
+        if self.partitions < 1 or self.rollup_steps < 1 or self.replication_factor < 1:
+            raise ValueError("partitions, replication_factor and rollup_steps must be >= 1")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> Settings:

@@ -128,7 +128,7 @@ class Stack:
                     self.broker = EmbeddedBroker(port=self.port, log_path=log_path)
                 self.broker.start()
                 self.settings = self.settings.with_(bootstrap=self.broker.bootstrap, broker_flavor=self.broker_kind)
-            ensure_topics(self.settings.bootstrap, self.settings.partitions)
+            ensure_topics(self.settings.bootstrap, self.settings.partitions, replication=self.settings.replication_factor)
             self.start_workers()
             self.start_store()
         except BaseException:

@@ -36,6 +36,8 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
         store="memory://",
         datadir=str(datadir),
         topic_partitions=partitions,
+        # Changelogs too: on a cluster with min.insync.replicas 2, a 1-replica topic refuses acks=all writes.
+        topic_replication_factor=settings.replication_factor,
         # A new monitor reads what ranks published before it started; replays are dropped by seq.
         consumer_auto_offset_reset="earliest",
         web_enabled=False,

@@ -43,7 +43,7 @@ _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 def build_app(settings: Settings) -> faust.App:
     flavor = settings.broker_flavor if settings.broker_flavor != "auto" else detect_flavor(settings.bootstrap)
-    counts = ensure_topics(settings.bootstrap, settings.partitions)
+    counts = ensure_topics(settings.bootstrap, settings.partitions, replication=settings.replication_factor)
     outages = OutageClock()
     app = make_app(settings, flavor=flavor, partitions=counts[contract.TELEMETRY], outages=outages)
     # Faust creates missing changelogs itself, but one auto-created by a restarted broker from a
@@ -60,7 +60,8 @@ def build_app(settings: Settings) -> faust.App:
     async def start_over(reason: str) -> None:
         print(f"{NEW_BROKER_LINE} ({reason}); starting over", flush=True)
         # At once, before the ranks' shippers fill topics the broker auto-created with its own count.
-        await asyncio.to_thread(ensure_topics, settings.bootstrap, settings.partitions)
+        await asyncio.to_thread(ensure_topics, settings.bootstrap, settings.partitions,
+                                replication=settings.replication_factor)
         restart_process()
 
     watch = BrokerWatch(
