@@ -1,0 +1,110 @@
+"""Faults on a 3-broker Apache Kafka cluster (KRaft, kafka/cluster.properties: RF 3, min.insync.replicas 2).
+
+One cluster and one worker for the module; each test isolates itself with its own run id and leaves
+the cluster whole again.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import pytest
+from conftest import TEST_RULES, consume_json, need_kafka
+from kafka import KafkaAdminClient
+from kafka.partitioner.default import murmur2
+
+from rankwatch import contract
+from rankwatch.kafka_broker import KafkaCluster
+from rankwatch.producers import RankPublisher
+from rankwatch.settings import Settings
+from rankwatch.stack import Stack
+
+pytestmark = pytest.mark.broker
+
+WORLD, STEPS, KILL_AT, NAN_STEP, ROLLUP = 4, 400, 150, 250, 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> KafkaCluster:
+    need_kafka()
+    with KafkaCluster(tmp_path_factory.mktemp("kafka-cluster"), n=3) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def cluster_stack(cluster, tmp_path_factory) -> Stack:
+    settings = Settings(bootstrap=cluster.bootstrap, broker_flavor="kafka", replication_factor=3,
+                        data_dir=str(tmp_path_factory.mktemp("rankwatch-cluster")), rollup_steps=ROLLUP,
+                        rules=str(TEST_RULES))
+    with Stack(settings, embedded=False) as running:
+        yield running
+
+
+def _leader(bootstrap: str, topic: str, partition: int) -> int:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        (described,) = admin.describe_topics([topic])
+    finally:
+        admin.close()
+    replicas = {p["partition_index"]: p for p in described["partitions"]}
+    assert len(replicas[partition]["replica_nodes"]) == 3, "rankwatch's topics get the configured 3 replicas"
+    return replicas[partition]["leader_id"]
+
+
+def _partition_of(key: bytes, partitions: int) -> int:
+    return (murmur2(key) & 0x7FFFFFFF) % partitions  # Kafka's default partitioner, as every client's
+
+
+def test_a_partition_leader_killed_while_ranks_publish_loses_and_doubles_nothing(cluster, cluster_stack, run_id,
+                                                                                  tmp_path):
+    victim = 1  # this rank's partition loses its leader mid-run, and its NaN is sent during the failover
+    partition = _partition_of(contract.telemetry_key(run_id, victim), cluster_stack.settings.partitions)
+    leader = _leader(cluster.bootstrap, contract.TELEMETRY, partition)
+    node = next(i for i, n in enumerate(cluster.nodes) if n.node_id == leader)
+    publishers = [RankPublisher(run=run_id, rank=r, world_size=WORLD, bootstrap=cluster.bootstrap, linger_s=0.05,
+                                samplers=[], spool_dir=tmp_path, producer_config={"acks": "all"})
+                  for r in range(WORLD)]
+    try:
+        for step in range(STEPS):
+            for rank, publisher in enumerate(publishers):
+                loss = float("nan") if (rank, step) == (victim, NAN_STEP) else 2.0 - step / STEPS
+                publisher.log({"loss": loss}, step)
+            if step == KILL_AT:
+                cluster.kill(node)
+            time.sleep(0.01)
+        for publisher in publishers:
+            publisher.close(timeout_s=60)  # delivery is checked on the rollups below
+        windows = {(r, start) for r in range(WORLD) for start in range(0, STEPS - ROLLUP, ROLLUP)}
+
+        def rollups_complete(found: list[dict]) -> bool:
+            return windows <= {(r["rank"], r["start_step"]) for r in found}
+
+        def is_rollup(r: dict) -> bool:
+            return r.get("kind") == "rollup" and r.get("run") == run_id and r.get("metric") == "loss"
+
+        assert rollups_complete(consume_json(cluster.bootstrap, contract.REPORTS, is_rollup, until=rollups_complete,
+                                             timeout_s=120)), "not every window was rolled up"
+        nan_alerts = consume_json(cluster.bootstrap, contract.ALERTS,
+                                  lambda a: a["run"] == run_id and a["step"] == NAN_STEP, timeout_s=30)
+        assert nan_alerts, "the NaN sent during the failover raised no alert"
+        time.sleep(3)  # anything doubled would come right behind
+        rollups = consume_json(cluster.bootstrap, contract.REPORTS, is_rollup, count=10**9, timeout_s=8)
+        alerts = consume_json(cluster.bootstrap, contract.ALERTS, lambda a: a["run"] == run_id, count=10**9,
+                              timeout_s=5)
+    finally:
+        for publisher in publishers:
+            publisher.close(timeout_s=1)
+        cluster.restart(node)
+
+    # Every message reached the rollups once: each closed window once, with all of its steps.
+    per_window = collections.Counter((r["rank"], r["start_step"]) for r in rollups)
+    assert {w: n for w, n in per_window.items() if n > 1} == {}, "a window was rolled up twice"
+    for r in rollups:
+        if (r["rank"], r["start_step"]) in windows:
+            assert r["count"] + r["nonfinite"] == ROLLUP, r
+    assert sum(r["nonfinite"] for r in rollups) == 1
+    # No alert lost (the NaN's is there) or doubled (no alert twice).
+    per_alert = collections.Counter((a["key"], a["status"], a["step"], a["detector"]) for a in alerts)
+    assert {a: n for a, n in per_alert.items() if n > 1} == {}, "an alert was sent twice"
+    assert any(a["metric"] == "loss" and a["step"] == NAN_STEP for a in alerts)
