@@ -1,4 +1,4 @@
-"""The report store's subcommands: ``store`` (fill it), ``report`` and ``runs`` (query it), ``serve``.
+"""The report store's subcommands: ``store`` (fill it), ``report`` and ``runs`` (query it), ``serve`` (HTTP).
 
 Kept out of ``cli.py`` so each file stays about one concern; ``cli.build_parser`` calls ``add_commands``.
 The query commands read only the store, so they answer with the broker stopped.
@@ -121,6 +121,27 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rankwatch.sinks.api import ReportAPI, make_server
+    from rankwatch.sinks.store import store_url
+
+    settings = _settings(args)
+    _open_for_reading(settings)  # the same clear error as `report` when there is no store yet
+    token = os.environ.get("RANKWATCH_API_TOKEN") or None  # kept out of argv and the settings' environment
+    api = ReportAPI(store_url(settings), metrics_max_ranks=args.metrics_max_ranks)
+    server = make_server(api, args.host, args.port, token=token)
+    host, port = server.server_address[:2]
+    print(f"rankwatch serve: http://{host}:{port}/ (openapi.json, runs, metrics){'; bearer token required' if token else ''}",
+          flush=True)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def _rank(text: str | None) -> int | str | None:
     if text is None or text == "all":
         return text
@@ -155,6 +176,14 @@ def add_commands(add, bootstrap) -> None:
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON object: eval_reports, rollups, alerts")
     out.add_argument("--csv", action="store_true", help="CSV of one kind (see --kind)")
+
+    p = add("serve", cmd_serve, "Serve the report store read-only over HTTP (JSON, /openapi.json, /metrics).")
+    store_option(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; any other needs $RANKWATCH_API_TOKEN)")
+    p.add_argument("--port", type=int, default=8321, help="port (default 8321; 0 picks a free one)")
+    p.add_argument("--metrics-max-ranks", type=int, default=64,
+                   help="/metrics exports ranks below this one, and every run-wide row (default 64)")
 
     p = add("runs", cmd_runs, "The runs in the report store: steps, world size, alerts.")
     store_option(p)

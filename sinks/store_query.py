@@ -164,11 +164,21 @@ class Queries:
             latest[(a["key"], a["incident"])] = a
         return [a for a in latest.values() if a["status"] == "firing"]
 
-    def latest_rollups(self, max_ranks: int) -> list[dict]:
-        """Each (run, metric, rank)'s newest window, for ranks below ``max_ranks`` and the run-wide rows."""
-        sql = (f"SELECT {', '.join(ROLLUP_FIELDS)} FROM rollups r WHERE rank < ? AND start_step = "
-               "(SELECT MAX(start_step) FROM rollups m WHERE m.run = r.run AND m.metric = r.metric AND m.rank = r.rank)")
-        return [_rollup(dict(zip(ROLLUP_FIELDS, row))) for row in self.db.query(sql, (max_ranks,))]
+    def latest_rollups(self, run: str, max_ranks: int) -> list[dict]:
+        """Each (metric, rank)'s newest window in ``run``: the run-wide row of each metric's newest window,
+        and each rank below ``max_ranks`` at that window or the one before (a rank further behind is stale
+        and left out). Two indexed lookups per metric, not a scan of the run."""
+        latest = self.db.query(
+            "SELECT metric, MAX(start_step), MAX(end_step - start_step) FROM rollups WHERE run = ? AND rank = ? "
+            "GROUP BY metric", (run, ALL_RANKS))
+        out = []
+        for metric, start, width in latest:
+            rows = self.db.query(
+                f"SELECT {', '.join(ROLLUP_FIELDS)} FROM rollups WHERE run = ? AND metric = ? AND rank < ? "
+                "AND start_step >= ? ORDER BY rank, start_step", (run, metric, max_ranks, start - width))
+            newest = {row[1]: row for row in rows}  # by rank; the later window wins
+            out += [_rollup(dict(zip(ROLLUP_FIELDS, row))) for row in newest.values()]
+        return out
 
 
 def _rollup(d: dict) -> dict:
