@@ -42,7 +42,7 @@ from rankwatch.producers.shipper import ShipperProcess
 from rankwatch.producers.spool import SpoolWriter, default_root
 from rankwatch.producers.system import ProcessSampler, Sampler
 from rankwatch.producers.values import Chunk
-from rankwatch.contract import HEARTBEAT
+from rankwatch.contract import HEARTBEAT, MessageTooLarge, check_size
 from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
 
 log = logging.getLogger(__name__)
@@ -375,17 +375,22 @@ class RankPublisher:
     def _try_send(self, event: Any) -> None:
         try:
             self._send(event)
+        except MessageTooLarge as exc:  # the caller's to fix: no traceback, and the spool never holds it
+            log.error("rankwatch: not sent: %s", exc)
+            self._failed += 1
         except Exception:  # the sender must outlive any one bad event
             log.exception("rankwatch: could not publish a %s event", getattr(event, "KIND", "?"))
             self._failed += 1
 
     def _send(self, event: Any) -> None:
         value = event.to_bytes()
+        key = event.key if isinstance(event.key, bytes) else event.key.encode()
+        # A broker refuses it for good, and the shipper sends in order: it would block all behind it.
+        check_size(len(key) + len(value), f"{event.KIND} message")
         if self._spool.position - self._shipped + len(value) > self.max_spool_bytes:
             self._shipped = self._shipper.status().shipped
             if self._spool.position - self._shipped + len(value) > self.max_spool_bytes:
                 self._count_drop(why=f"spool full ({self.max_spool_bytes} bytes the broker has not taken)")
                 return
-        key = event.key if isinstance(event.key, bytes) else event.key.encode()
         self._spool.append(event.TOPIC, key, value)
         self._shipper.wake()

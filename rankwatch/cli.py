@@ -210,6 +210,32 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deadletters(args: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from rankwatch.sinks import read_topic
+
+    counts: Counter[tuple[str, str]] = Counter()
+    latest: dict[tuple[str, str], str] = {}
+    for record in read_topic(_settings(args).bootstrap, contract.DEADLETTER):
+        try:
+            letter = contract.DeadLetter.from_bytes(record.value)
+            where, reason = (letter.topic, letter.cause), letter.reason
+        except contract.SchemaError:  # not written by a rankwatch worker; still counted
+            where, reason = ("?", "not a dead letter"), ""
+        counts[where] += 1
+        latest[where] = reason
+    rows = [{"topic": t, "cause": c, "count": n, "latest": latest[t, c]} for (t, c), n in counts.most_common()]
+    if args.json:
+        print(json.dumps({"total": sum(counts.values()), "by_cause": rows}))
+        return 0
+    for row in rows:
+        reason = row["latest"] if len(row["latest"]) <= 100 else row["latest"][:99] + "…"
+        print(f"{row['count']:>10,}  {row['topic']:<24} {row['cause']:<24} latest: {reason}")
+    print(f"{sum(counts.values()):>10,}  dead letters in {contract.DEADLETTER}")
+    return 0
+
+
 def cmd_ship(args: argparse.Namespace) -> int:
     from rankwatch.producers.shipper import CONFIG_ENV, Shipper, kafka_config
     from rankwatch.producers.spool import default_root, find_spools, has_writer
@@ -322,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-end", action="store_true", help="only messages that arrive from now on")
 
     add_store_commands(add, bootstrap)  # store, report, runs, serve: rankwatch/cli_store.py
+
+    p = add("deadletters", cmd_deadletters,
+            f"Count the messages workers dead-lettered to {contract.DEADLETTER}, by topic and cause "
+            f"(`rankwatch tail {contract.DEADLETTER}` prints them).")
+    bootstrap(p)
+    p.add_argument("--json", action="store_true", help="one JSON object: the total and the counts")
 
     p = add("score-series", cmd_score_series, "Score a timestamp,value CSV with one detector: adds an anomaly_score column.")
     score_series_arguments(p)

@@ -35,7 +35,7 @@ from rankwatch.stream_processors.evaluation import (
     StopRule,
     parse_weights,
 )
-from rankwatch.stream_processors.topics import dead_letterer, decoded, raw_topic
+from rankwatch.stream_processors.topics import dead_letterer, decoded, encoded, raw_topic, send_all
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ def register(app: faust.App, settings: Settings) -> None:
     reports = raw_topic(app, contract.REPORTS)
     alerts = raw_topic(app, contract.ALERTS)
     control = raw_topic(app, contract.CONTROL)
+    out_topics = {contract.REPORTS: reports, contract.ALERTS: alerts, contract.CONTROL: control,
+                  EVAL_RUN_EVENTS: run_events}
     evals = app.Table("eval-state", default=None, key_type=bytes, use_partitioner=True)
     runs = app.Table("eval-runs", default=None, key_type=bytes)
     merger, tracker = processors(settings)
@@ -77,13 +79,8 @@ def register(app: faust.App, settings: Settings) -> None:
         state = evals.get(key)
         return state if isinstance(state, EvalState) else EvalState.from_dict(state)
 
-    async def publish(out) -> None:
-        for report in out.reports:
-            await reports.send(key=report.key, value=report.to_bytes())
-        for advice in out.controls:
-            await control.send(key=advice.key, value=advice.to_bytes())
-        for update in out.updates:
-            await run_events.send(key=update.key, value=update.to_bytes())
+    def messages(out) -> list[tuple[str, bytes, bytes]]:
+        return encoded(*out.reports, *out.controls, *out.updates)
 
     def check_partitioner(key: bytes, partition: int) -> None:
         # The timer writes state to hash(key) % partitions; a producer with another partitioner
@@ -98,15 +95,17 @@ def register(app: faust.App, settings: Settings) -> None:
     async def merge_shards(stream):
         async for event, shard in decoded(stream.events(), EvalShard.from_bytes, dead_letter, "eval shard"):
             if event.message.key != shard.key:
-                await dead_letter(event, f"eval shard key must be {shard.key!r} (run/eval_id), got {event.message.key!r}")
+                await dead_letter(event, f"invalid eval shard: its key must be {shard.key!r} (run/eval_id), "
+                                         f"got {event.message.key[:200]!r}")
                 continue
             check_partitioner(shard.key, event.message.partition)
             try:
                 state = eval_state(shard.key)
                 state.partition = event.message.partition
                 out = merger.apply(state, shard, time.time())
+                sends = messages(out)
             except ShardRejected as exc:
-                await dead_letter(event, str(exc))
+                await dead_letter(event, f"rejected eval shard: {exc}")
                 continue
             except Exception as exc:  # a bug must not stop the worker; the message is kept
                 log.exception("merging eval shard %r failed", shard.key)
@@ -117,7 +116,7 @@ def register(app: faust.App, settings: Settings) -> None:
                 # killed in between replays the shard and sends the same revision again (readers
                 # keep the latest revision per evaluation, so they see no change).
                 evals[shard.key] = state
-            await publish(out)
+            await send_all(out_topics, sends)
 
     @app.timer(interval=max(0.2, min(1.0, settings.eval_deadline_s / 5)))
     async def tick_evaluations():
@@ -133,27 +132,26 @@ def register(app: faust.App, settings: Settings) -> None:
             try:
                 state = eval_state(key)
                 out = merger.tick(state, now)
+                sends = messages(out)
             except Exception:
                 log.exception("ticking evaluation %r failed", key)
                 continue
             if out.changed or not isinstance(raw, EvalState):
                 evals[key] = state  # also keeps a state recovered as a dict decoded, not decoded every tick
-            await publish(out)
+            await send_all(out_topics, sends)
 
     @app.agent(run_events, name="eval-runs")
     async def track_runs(stream):
         async for event, update in decoded(stream.events(), RunUpdate.from_bytes, dead_letter, "eval run update"):
-            key = update.report.run.encode()
             try:
+                key = update.key
                 state = runs.get(key)
                 state = state if isinstance(state, RunState) else RunState.from_dict(state)
                 out = tracker.apply(state, update, time.time())
+                sends = encoded(*out.alerts, *out.controls)
             except Exception as exc:
                 log.exception("tracking eval run %r failed", key)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
                 continue
             runs[key] = state
-            for alert in out.alerts:
-                await alerts.send(key=alert.key.encode(), value=alert.to_bytes())
-            for advice in out.controls:
-                await control.send(key=advice.key, value=advice.to_bytes())
+            await send_all(out_topics, sends)

@@ -14,7 +14,7 @@ from rankwatch.stream_processors.grouping import Grouper, RunGroups
 from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher
-from rankwatch.stream_processors.topics import dead_letterer, decoded, raw_topic
+from rankwatch.stream_processors.topics import dead_letterer, decoded, encoded, raw_topic, send_all
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     alerts = raw_topic(app, contract.ALERTS)
     reports = raw_topic(app, contract.REPORTS)
     run_events = raw_topic(app, contract.RUN_EVENTS)
+    out_topics = {contract.ALERTS: alerts, contract.REPORTS: reports, contract.RUN_EVENTS: run_events}
     rules = Rules.load(settings.rules or None)
     # Stage 1: one value per (run, rank), keyed like the telemetry topic, so each key has one writer.
     rank_state = app.Table("rank-state", default=None)
@@ -41,32 +42,31 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     @app.agent(telemetry, name="telemetry")
     async def process_telemetry(stream):
         async for event, batch in decoded(stream.events(), TelemetryBatch.from_bytes, dead_letter, "telemetry"):
-            key = batch.key.decode()
             try:
+                key = batch.key.decode()
                 state = rank_state.get(key)
                 state = state if isinstance(state, RankState) else RankState.from_dict(state)
                 if processor.is_replay(state, batch):
                     continue
                 out = processor.process(state, batch, time.time())
+                signals = [RankSignal(alert=alert, world_size=batch.world_size) for alert in out.alerts]
+                progress = []
+                if out.last_step is not None or batch.final:
+                    progress.append(RankProgress(
+                        run=batch.run, rank=batch.rank, world_size=batch.world_size,
+                        last_step=-1 if out.last_step is None else out.last_step, ts=batch.ts,
+                        series=out.cross_rank, final=batch.final))
+                messages = encoded(*signals, *progress, *out.rollups)
             except Exception as exc:  # a bug must not stop the worker; the message is kept
-                log.exception("processing %s failed", key)
+                log.exception("processing %s[%d]@%d failed", event.message.topic, event.message.partition,
+                              event.message.offset)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
                 continue
             rank_state[key] = state
-            for alert in out.alerts:
-                signal = RankSignal(alert=alert, world_size=batch.world_size)
-                await run_events.send(key=signal.key, value=signal.to_bytes())
-            if out.last_step is not None or batch.final:
-                progress = RankProgress(run=batch.run, rank=batch.rank, world_size=batch.world_size,
-                                        last_step=-1 if out.last_step is None else out.last_step, ts=batch.ts,
-                                        series=out.cross_rank, final=batch.final)
-                await run_events.send(key=progress.key, value=progress.to_bytes())
-            for rollup in out.rollups:
-                await reports.send(key=rollup.key, value=rollup.to_bytes())
+            await send_all(out_topics, messages)
 
     async def publish(alerts_due) -> None:
-        for alert in alerts_due:
-            await alerts.send(key=alert.key.encode(), value=alert.to_bytes())
+        await send_all(out_topics, encoded(*alerts_due))
 
     def run_groups(key: bytes) -> RunGroups:
         state = run_state.get(key)
@@ -77,21 +77,28 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
 
     @app.agent(run_events, name="run-events")
     async def group_signals(stream):
-        async for _, item in decoded(stream.events(), decode_run_event, dead_letter, "run event"):
-            state, now = run_groups(item.key), time.time()
-            if isinstance(item, RankSignal):
-                due = grouper.add(state, item, now)
-            else:
-                due = grouper.progress(state, item.rank, item.last_step, item.world_size, now)
-                watch = watches.setdefault(item.key, RunWatch(run=item.run))
-                for alert in watcher.observe(watch, item, now):
-                    due += grouper.add(state, RankSignal(alert=alert, world_size=item.world_size), now)
+        async for event, item in decoded(stream.events(), decode_run_event, dead_letter, "run event"):
+            try:
+                state, now = run_groups(item.key), time.time()
+                if isinstance(item, RankSignal):
+                    due = grouper.add(state, item, now)
+                else:
+                    due = grouper.progress(state, item.rank, item.last_step, item.world_size, now)
+                    watch = watches.setdefault(item.key, RunWatch(run=item.run))
+                    for alert in watcher.observe(watch, item, now):
+                        due += grouper.add(state, RankSignal(alert=alert, world_size=item.world_size), now)
+                messages = encoded(*due)
+            except Exception as exc:  # a bug must not stop the worker; the message is kept
+                log.exception("grouping run event %s[%d]@%d failed", event.message.topic, event.message.partition,
+                              event.message.offset)
+                await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
+                continue
             if due or isinstance(item, RankSignal):
                 # A replay then finds the alerts sent, once this write is in the changelog. Faust
                 # buffers it and may send it after the alerts: a worker killed in between sends
                 # them again (a gap the crash-recovery work must close).
                 run_state[item.key] = state
-            await publish(due)
+            await send_all(out_topics, messages)
             if state.waiting():
                 waiting.add(item.key)
 
