@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankwatch.contract import Alert, RankProgress, RankSignal, TelemetryBatch
+from rankwatch.contract import (
+    RUN_EVENTS, Alert, ProgressBatch, RankProgress, RankSignal, Rollup, TelemetryBatch, decode_run_event,
+)
 from rankwatch.errors import SchemaError
+from rankwatch.stream_processors.batching import process_batch
 from rankwatch.stream_processors.grouping import Grouper, RunGroups
 from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
@@ -45,6 +48,7 @@ class Pipeline:
         self.groups = RunGroups()
         self.watch = RunWatch(run=run)
         self.emitted: list[Emitted] = []
+        self.rollups: list[Rollup] = []  # what stage 1 sent to the reports topic
         self._next_group_tick = self._next_watch_tick = None
 
     def telemetry(self, batch: TelemetryBatch, now: float) -> None:
@@ -53,6 +57,7 @@ class Pipeline:
         if self.processor.is_replay(state, batch):
             return
         out = self.processor.process(state, batch, now)
+        self.rollups += [Rollup.from_bytes(r.to_bytes()) for r in out.rollups]
         for alert in out.alerts:
             self._signal(RankSignal(alert=alert, world_size=batch.world_size), now)
         if out.last_step is not None or batch.final:
@@ -93,12 +98,60 @@ class Pipeline:
                 self.emitted.append(Emitted(alert, now, str(exc)))
 
 
-def replay(batches: list[TelemetryBatch], rules: Rules, run: str, tail_s: float = 15.0) -> list[Emitted]:
-    """Every alert stage 2 emits for these batches, then for ``tail_s`` seconds of silence after them."""
-    pipeline = Pipeline(rules, run)
+class BatchedPipeline(Pipeline):
+    """The same, with stage 1 taking telemetry as the worker does: up to ``take`` messages at a time,
+    applied by ``batching.process_batch``; its output crosses the wire as encoded messages."""
+
+    def __init__(self, rules: Rules, run: str, take: int):
+        super().__init__(rules, run)
+        self.take = take
+        self.buffer: list[TelemetryBatch] = []
+
+    def telemetry(self, batch: TelemetryBatch, now: float) -> None:
+        self.buffer.append(batch)
+        if len(self.buffer) >= self.take:
+            self.flush(now)
+
+    def flush(self, now: float) -> None:
+        self.advance(now)
+        load = lambda key: self.ranks.get(int(key.rsplit("/", 1)[1]))  # noqa: E731
+        out = process_batch(self.processor, self.buffer, load, now) if self.buffer else None
+        self.buffer = []
+        if out is None:
+            return
+        if out.failed:
+            raise out.failed[0][1]
+        for key, state in out.states.items():  # the table's memory store keeps these objects
+            self.ranks[int(key.rsplit("/", 1)[1])] = state
+        for topic, _, value in out.messages:
+            if topic != RUN_EVENTS:
+                self.rollups.append(Rollup.from_bytes(value))
+                continue
+            event = decode_run_event(value)
+            if isinstance(event, RankSignal):
+                self._signal(event, now)
+            else:
+                for item in event.items if isinstance(event, ProgressBatch) else (event,):
+                    self._progress(item, now)
+
+
+def replay(batches: list[TelemetryBatch], rules: Rules, run: str, tail_s: float = 15.0, *,
+           take: int = 0) -> list[Emitted]:
+    """Every alert stage 2 emits for these batches, then for ``tail_s`` seconds of silence after them.
+
+    ``take`` > 0: stage 1 takes that many messages at a time (``BatchedPipeline``).
+    """
+    return replay_pipeline(batches, rules, run, tail_s, take=take).emitted
+
+
+def replay_pipeline(batches: list[TelemetryBatch], rules: Rules, run: str, tail_s: float = 15.0, *,
+                    take: int = 0) -> Pipeline:
+    pipeline = BatchedPipeline(rules, run, take) if take else Pipeline(rules, run)
     ordered = sorted(batches, key=lambda b: (b.ts, b.rank, b.seq))
     for batch in ordered:
         pipeline.telemetry(batch, batch.ts + TRANSIT_S)
+    if isinstance(pipeline, BatchedPipeline):
+        pipeline.flush(ordered[-1].ts + TRANSIT_S if ordered else 0.0)
     if ordered:
         pipeline.advance(ordered[-1].ts + tail_s)
-    return pipeline.emitted
+    return pipeline

@@ -17,8 +17,19 @@ such evidence the alert is about the whole run.
 The state lives in memory: it changes with every batch of every rank, and after a restart a few
 steps of warm-up rebuild it.
 
-Silences are measured on an :class:`OutageClock`, which stops while the worker cannot reach the
-broker: then no rank can reach it either, and a rank's silence says nothing about the rank.
+Ranks are judged by their own clocks and steps (event time), never by when the worker gets to
+their messages, so a worker catching up on a backlog (after a restart, an outage, a burst) raises no
+stall and no straggler (issue 16). The run's "now" is its newest batch's timestamp, plus the time
+since the run's last message arrived: while messages flow, however late, only the ranks' own
+stamps count; once none arrive, silence grows with the wall clock, as a stopped run's should. A
+rank is stalled alone only if it is silent both ways: behind its peers' stamps *and* with no new
+step arriving for the bound (a rank whose partition the worker reads later than others' is late,
+not stalled). Rank clocks are assumed synchronised to well under a stall bound (NTP: milliseconds;
+the default bound is at least 10 s).
+
+The worker's side of that is measured on an :class:`OutageClock`, which stops while the worker
+cannot reach the broker: then no rank can reach it either, and a rank's silence says nothing about
+the rank.
 """
 
 from __future__ import annotations
@@ -104,9 +115,19 @@ class RunWatch:
     stall: Stall | None = None
     stall_conditions: dict[int | None, Condition] = field(default_factory=dict)
     last_step: dict[int, int] = field(default_factory=dict)
-    # Both on the outage clock: rank -> arrival time of its last batch; rank -> (collective wait, when heard)
+    # Event time (the ranks' stamps): rank -> stamp of its last batch; rank -> (collective wait, its stamp)
     heard: dict[int, float] = field(default_factory=dict)
     waits: dict[int, tuple[float, float]] = field(default_factory=dict)
+    latest_ts: float = -math.inf  # the newest stamp of any rank of the run
+    # On the outage clock: when the run's last message arrived, and each rank's last new step
+    arrived: float = -math.inf
+    stepped: dict[int, float] = field(default_factory=dict)
+
+    def event_now(self, clock: float) -> float:
+        """The run's event-time now (see the module doc); ``clock`` is the outage clock's reading."""
+        if math.isinf(self.latest_ts):
+            return clock
+        return self.latest_ts + max(clock - self.arrived, 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,8 +142,10 @@ class RunWatcher:
         """Apply one rank's progress; return the per-rank transitions it completes."""
         watch.world_size = max(watch.world_size, progress.world_size)
         self.outages.heard(now)
-        clock = self.outages.read(now)  # silences are measured on this one
-        watch.heard[progress.rank] = clock
+        clock = self.outages.read(now)  # the worker's side of silences is measured on this one
+        watch.latest_ts, watch.arrived = max(watch.latest_ts, progress.ts), clock
+        at = watch.event_now(clock)
+        watch.heard[progress.rank] = progress.ts
         newer = progress.last_step > watch.last_step.get(progress.rank, -1)
         if progress.final:
             # Recording its last step means a stray later heartbeat at that step is no sign of life;
@@ -135,12 +158,13 @@ class RunWatcher:
             if self.rules.stall is not None:
                 if watch.stall is None:
                     watch.stall = self.rules.stall.build()
-                watch.stall.observe(progress.rank, clock)  # arrival time: producer clocks may be skewed
+                watch.stall.observe(progress.rank, progress.ts)  # the rank's own time: lag is no gap
+                watch.stepped[progress.rank] = clock
         alerts: list[Alert] = []
         for metric, series in progress.series.items():
             if metric == COLLECTIVE_WAIT:
                 if len(series.values):
-                    watch.waits[progress.rank] = (float(series.values[-1]), clock)
+                    watch.waits[progress.rank] = (float(series.values[-1]), progress.ts)
                 continue
             rule = self.rules.cross_rank_rule(metric)
             if rule is None:
@@ -149,18 +173,20 @@ class RunWatcher:
             if track is None:
                 track = watch.tracks[metric] = _Track(rule, rule.build())
             for step, value in zip(series.steps.tolist(), series.values.tolist()):
-                track.opened.setdefault(step, now)
+                track.opened.setdefault(step, at)
                 track.rows.setdefault(step, {})[progress.rank] = value
-            alerts += self._score_ready(watch, metric, track, now)
+            alerts += self._score_ready(watch, metric, track, at, now)
         return alerts
 
     def tick(self, watch: RunWatch, now: float) -> list[Alert]:
         """Rows whose wait ran out, and ranks that stopped; call this on a timer."""
         alerts: list[Alert] = []
+        clock = self.outages.read(now)
+        at = watch.event_now(clock)
         for metric, track in watch.tracks.items():
-            alerts += self._score_ready(watch, metric, track, now)
+            alerts += self._score_ready(watch, metric, track, at, now)
         if watch.stall is not None and self.rules.stall is not None:
-            stalled, cause, why = self._stalls(watch, watch.stall, self.outages.read(now))
+            stalled, cause, why = self._stalls(watch, watch.stall, at, clock)
             run_step = max(watch.last_step.values(), default=-1)
             rule = self.rules.stall
             policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)
@@ -180,9 +206,11 @@ class RunWatcher:
         return alerts
 
     @staticmethod
-    def _stalls(watch: RunWatch, stall: Stall, now: float) -> tuple[dict[int | None, Stalled], list[int], str]:
-        """Stalled ranks (``None``: the run); for a whole-run stall, the ranks that caused it and why."""
-        stalled = {s.rank: s for s in stall.check(now)}
+    def _stalls(watch: RunWatch, stall: Stall, now: float, clock: float) -> tuple[dict[int | None, Stalled], list[int], str]:
+        """Stalled ranks (``None``: the run) at event time ``now``; for a whole-run stall, the ranks
+        that caused it and why. ``clock``: the outage clock, for how long since a rank's step arrived."""
+        stalled = {s.rank: s for s in stall.check(now)
+                   if s.rank is None or clock - watch.stepped.get(s.rank, -math.inf) >= s.bound_s}
         run = stalled.pop(None, None)
         if run is None:
             return stalled, [], ""
@@ -206,11 +234,12 @@ class RunWatcher:
             stalled[None] = run  # no one to blame, or the run-wide alert is out already: it stays until steps resume
         return stalled, cause, why
 
-    def _score_ready(self, watch: RunWatch, metric: str, track: _Track, now: float) -> list[Alert]:
+    def _score_ready(self, watch: RunWatch, metric: str, track: _Track, at: float, now: float) -> list[Alert]:
+        """Score the rows complete, or waiting ``row_wait_s`` by event time ``at``; alerts stamped ``now``."""
         n = watch.world_size
         ready = sorted(
             step for step, row in track.rows.items()
-            if len(row) >= n or now - track.opened[step] >= self.row_wait_s or len(track.rows) > self.max_rows
+            if len(row) >= n or at - track.opened[step] >= self.row_wait_s or len(track.rows) > self.max_rows
         )
         alerts: list[Alert] = []
         rule = track.rule

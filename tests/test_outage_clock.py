@@ -11,7 +11,7 @@ from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatch
 
 
 def _step(rank: int, step: int) -> RankProgress:
-    return RankProgress(run="r", rank=rank, world_size=2, last_step=step, ts=0.0, series={})
+    return RankProgress(run="r", rank=rank, world_size=2, last_step=step, ts=float(step), series={})
 
 
 def _paced_run(watcher: RunWatcher, watch: RunWatch, steps: range) -> list:
@@ -42,7 +42,9 @@ def test_a_broker_outage_raises_no_stall_and_a_real_stall_after_it_still_fires()
     quiet = [a for t in range(41, 80) for a in watcher.tick(watch, float(t))]
     assert quiet == [], quiet  # 39 s without a step, all of it while the broker was away
     watcher.outages.back(80.0)
-    # The ranks' spooled steps arrive two seconds after the broker, and the run goes on.
+    # The ranks trained on meanwhile: their spooled steps, stamped by the ranks, arrive in a burst two
+    # seconds after the broker, and the run goes on.
+    assert [a for s in range(40, 82) for r in (0, 1) for a in watcher.observe(watch, _step(r, s), now=82.0)] == []
     assert _paced_run(watcher, watch, range(82, 100)) == []
     assert [a for t in np.arange(100, 105, 0.5) for a in watcher.tick(watch, float(t))] == []
     # Now the job really stops, with the broker up: a stall, as before.

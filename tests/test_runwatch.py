@@ -10,9 +10,11 @@ from rankwatch.stream_processors.rules import default_rules
 from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher
 
 
-def _progress(rank: int, step: int, world: int, **metrics: float) -> RankProgress:
+def _progress(rank: int, step: int, world: int, *, ts: float | None = None, **metrics: float) -> RankProgress:
+    """A rank's progress, stamped by the rank at ``ts`` (default: one step a second, step = time)."""
     series = {m: Series(np.array([step]), np.array([v])) for m, v in metrics.items()}
-    return RankProgress(run="r", rank=rank, world_size=world, last_step=step, ts=0.0, series=series)
+    return RankProgress(run="r", rank=rank, world_size=world, last_step=step, ts=float(step) if ts is None else ts,
+                        series=series)
 
 
 def test_a_straggler_among_eight_ranks_is_named_within_a_few_steps():
@@ -55,7 +57,7 @@ def test_a_rank_that_stops_stepping_is_a_stall_and_a_closed_one_is_not():
     for t in range(30, 80):
         for rank in (0, 1):
             watcher.observe(watch, _progress(rank, t, 4), now=float(t))
-        watcher.observe(watch, _progress(2, 29, 4), now=float(t))
+        watcher.observe(watch, _progress(2, 29, 4, ts=float(t)), now=float(t))  # heartbeats, no new step
         alerts += watcher.tick(watch, now=float(t) + 0.5)
     stalls = [(a.rank, a.status) for a in alerts]
     assert stalls == [(2, "firing")], alerts
@@ -70,7 +72,7 @@ def test_a_heartbeat_after_the_final_batch_does_not_bring_a_finished_rank_back()
     for rank in range(2):
         final = RankProgress(run="r", rank=rank, world_size=2, last_step=31, ts=0.0, series={}, final=True)
         watcher.observe(watch, final, now=31.0)
-    watcher.observe(watch, _progress(1, 31, 2), now=31.5)  # a late heartbeat at the same step
+    watcher.observe(watch, _progress(1, 31, 2, ts=31.5), now=31.5)  # a late heartbeat at the same step
     assert watcher.tick(watch, now=90.0) == []
 
 
@@ -86,7 +88,7 @@ def _stopped_job(beat) -> list:
         for rank in range(4):
             wait = beat(rank, t)
             if wait is not None:
-                watcher.observe(watch, _progress(rank, 29, 4, collective_wait_s=wait), now=t)
+                watcher.observe(watch, _progress(rank, 29, 4, ts=t, collective_wait_s=wait), now=t)
         alerts += watcher.tick(watch, now=t + 0.25)
     return alerts
 

@@ -32,7 +32,9 @@ from rankwatch.contract.evaluation import (
     EvalShard,
     eval_key,
 )
-from rankwatch.contract.internal import Finding, RankProgress, RankSignal, RunUpdate, decode_run_event
+from rankwatch.contract.internal import (
+    Finding, ProgressBatch, RankProgress, RankSignal, RunUpdate, decode_run_event,
+)
 from rankwatch.contract.telemetry import (
     COLLECTIVE_WAIT,
     HEARTBEAT,
@@ -59,6 +61,6 @@ __all__ = [
     "TOPICS", "TELEMETRY", "EVAL_SHARDS", "ALERTS", "REPORTS", "CONTROL", "DEADLETTER",
     "STATUSES", "SEVERITIES", "CONTROL_ACTIONS", "SchemaError",
     "Series", "TelemetryBatch", "Rollup", "Alert", "DeadLetter", "EvalShard", "EvalReport", "Control",
-    "RankSignal", "RankProgress", "RunUpdate", "Finding", "decode_run_event", "RUN_EVENTS", "INTERNAL_TOPICS",
+    "RankSignal", "RankProgress", "ProgressBatch", "RunUpdate", "Finding", "decode_run_event", "RUN_EVENTS", "INTERNAL_TOPICS",
     "HEARTBEAT", "COLLECTIVE_WAIT", "telemetry_key", "eval_key", "encode_float", "decode_float", "decode_any",
 ]

@@ -67,15 +67,20 @@ class RankProgress:
         return self.run.encode()
 
     def to_bytes(self) -> bytes:
-        return dumps({
-            "schema": SCHEMA_VERSION, "kind": self.KIND, "run": self.run, "rank": self.rank,
-            "world_size": self.world_size, "last_step": self.last_step, "ts": self.ts,
-            "series": encode_series(self.series), "final": self.final,
-        })
+        return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, **self.to_dict()})
+
+    def to_dict(self) -> dict:
+        return {
+            "run": self.run, "rank": self.rank, "world_size": self.world_size, "last_step": self.last_step,
+            "ts": self.ts, "series": encode_series(self.series), "final": self.final,
+        }
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RankProgress:
-        obj = loads(data, cls.KIND)
+        return cls.from_dict(loads(data, cls.KIND))
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> RankProgress:
         return cls(
             run=field_of(obj, "run", str), rank=field_of(obj, "rank", int),
             world_size=field_of(obj, "world_size", int), last_step=field_of(obj, "last_step", int),
@@ -84,10 +89,47 @@ class RankProgress:
         )
 
 
-def decode_run_event(data: bytes) -> RankSignal | RankProgress:
-    """Either event of ``RUN_EVENTS``, by its kind."""
+@dataclass(frozen=True)
+class ProgressBatch:
+    """Several ``RankProgress`` of one run, in the order stage 1 applied them: a worker that takes
+    telemetry in batches sends one of these per run per batch instead of one event per message."""
+
+    run: str
+    items: tuple[RankProgress, ...]
+
+    KIND = "progress_batch"
+    TOPIC = RUN_EVENTS
+
+    @property
+    def key(self) -> bytes:
+        return self.run.encode()
+
+    def to_bytes(self) -> bytes:
+        return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, "run": self.run,
+                      "items": [p.to_dict() for p in self.items]})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ProgressBatch:
+        obj = loads(data, cls.KIND)
+        run = field_of(obj, "run", str)
+        items = []
+        for raw in field_of(obj, "items", list):
+            if not isinstance(raw, dict):
+                raise SchemaError("progress_batch items must be objects")
+            item = RankProgress.from_dict(raw)
+            if item.run != run:
+                raise SchemaError(f"progress_batch of run {run!r} holds an item of run {item.run!r}")
+            items.append(item)
+        return cls(run=run, items=tuple(items))
+
+
+_RUN_EVENTS = {RankProgress.KIND: RankProgress, ProgressBatch.KIND: ProgressBatch}
+
+
+def decode_run_event(data: bytes) -> RankSignal | RankProgress | ProgressBatch:
+    """Any event of ``RUN_EVENTS``, by its kind."""
     kind = decode_any(data).get("kind")
-    return (RankProgress if kind == RankProgress.KIND else RankSignal).from_bytes(data)
+    return _RUN_EVENTS.get(kind, RankSignal).from_bytes(data)
 
 
 @dataclass(frozen=True)

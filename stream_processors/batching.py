@@ -1,0 +1,111 @@
+"""Stage 1 over a batch of telemetry messages at once, with the same results as one by one.
+
+The worker takes telemetry in batches (``stream.take``) because per-message costs dominate at
+cluster scale (issue 16): Faust's per-event machinery, one changelog write per message and one
+``RankProgress`` event per message, which stage 2 then pays for again. Over a batch:
+
+- each rank's state is read once and written once (the last write wins, so the changelog holds
+  the same final state; the dedup cursor inside it makes a replay after recovery change nothing);
+- the progress of every rank of a run goes out as one ``ProgressBatch``, in the order the
+  messages were applied. A rank signal flushes the run's pending progress first, so stage 2 sees
+  signals and progress in exactly the order message-by-message processing would send them;
+- a message whose processing fails is reported by its index, for the caller to dead-letter; its
+  output is dropped and the rest of the batch goes on.
+
+Pure: no Faust, no clock; ``bench/scenario_replay.py`` and the tests call it as the worker does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankwatch.contract import (
+    MAX_MESSAGE_BYTES, RUN_EVENTS, SCHEMA_VERSION, ProgressBatch, RankProgress, RankSignal, TelemetryBatch,
+)
+from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
+from rankwatch.stream_processors.topics import encoded
+
+Message = tuple[str, bytes, bytes]  # (topic, key, value), as ``topics.encoded`` makes them
+# Room for the envelope of a ProgressBatch around its items, well above what it takes.
+_ENVELOPE_BYTES = 4096
+
+
+@dataclass
+class Stage1Output:
+    messages: list[Message] = field(default_factory=list)  # in send order
+    states: dict[str, RankState] = field(default_factory=dict)  # key -> state to write, once
+    failed: list[tuple[int, Exception]] = field(default_factory=list)  # (index in the batch, why)
+    applied: int = 0  # messages applied (replays and failures not counted)
+
+
+def as_state(found: Any) -> RankState:
+    """A table value as a ``RankState`` (the memory store keeps the object; a recovered one is a dict)."""
+    return found if isinstance(found, RankState) else RankState.from_dict(found)
+
+
+def process_batch(
+    processor: TelemetryProcessor, batches: Sequence[TelemetryBatch], load: Callable[[str], Any], now: float
+) -> Stage1Output:
+    """Apply ``batches`` in order; ``load(key)`` reads a rank's stored state (None if new)."""
+    out = Stage1Output()
+    progress: dict[str, list[RankProgress]] = {}  # run -> progress not sent yet, in order
+
+    def flush(run: str) -> None:
+        out.messages.extend(_progress_messages(run, progress.pop(run, [])))
+
+    for index, batch in enumerate(batches):
+        try:
+            key = batch.key.decode()
+            state = out.states.get(key)
+            if state is None:
+                state = as_state(load(key))
+            if processor.is_replay(state, batch):
+                continue
+            result = processor.process(state, batch, now)
+            signals = encoded(*(RankSignal(alert=a, world_size=batch.world_size) for a in result.alerts))
+            rollups = encoded(*result.rollups)
+            item = None
+            if result.last_step is not None or batch.final:
+                item = RankProgress(
+                    run=batch.run, rank=batch.rank, world_size=batch.world_size,
+                    last_step=-1 if result.last_step is None else result.last_step, ts=batch.ts,
+                    series=result.cross_rank, final=batch.final)
+                encoded(item)  # a progress too large to send fails this message, as it did alone
+        except Exception as exc:  # a bug must not stop the worker; the caller dead-letters the message
+            out.failed.append((index, exc))
+            continue
+        out.states[key] = state
+        out.applied += 1
+        if signals:
+            flush(batch.run)
+            out.messages.extend(signals)
+        if item is not None:
+            progress.setdefault(batch.run, []).append(item)
+        out.messages.extend(rollups)
+    for run in list(progress):
+        flush(run)
+    return out
+
+
+def _progress_messages(run: str, items: list[RankProgress]) -> list[Message]:
+    """``items`` as few ``ProgressBatch`` messages as the size limit allows (one, as a rule)."""
+    if not items:
+        return []
+    if len(items) == 1:  # the plain event, as message-by-message processing sends it
+        return encoded(items[0])
+    key = run.encode()
+    head = json.dumps({"schema": SCHEMA_VERSION, "kind": ProgressBatch.KIND, "run": run},
+                      separators=(",", ":"))[:-1].encode() + b',"items":['
+    messages, parts, size = [], [], 0
+    for item in items:
+        part = json.dumps(item.to_dict(), separators=(",", ":"), allow_nan=False).encode()
+        if parts and size + len(part) + _ENVELOPE_BYTES > MAX_MESSAGE_BYTES:
+            messages.append((RUN_EVENTS, key, head + b",".join(parts) + b"]}"))
+            parts, size = [], 0
+        parts.append(part)
+        size += len(part) + 1
+    messages.append((RUN_EVENTS, key, head + b",".join(parts) + b"]}"))
+    return messages

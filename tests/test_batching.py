@@ -1,0 +1,134 @@
+"""Stage 1 over batches of messages (``batching.process_batch``) gives what message by message gives.
+
+Replayed without a broker by ``bench/scenario_replay.py``, which makes the worker's calls in the
+worker's order: once one message at a time, once ``take`` messages at a time, on telemetry of many
+simulated ranks with faults (a NaN, a spike, a straggler, a rank that hangs) and, where the
+recorded corpus of real training runs is present, on those recordings too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rankwatch.contract import RUN_EVENTS, ProgressBatch, RankProgress, Series, TelemetryBatch, decode_run_event
+from rankwatch.sim import QuietRanks
+from rankwatch.stream_processors.batching import process_batch
+from rankwatch.stream_processors.processor import TelemetryProcessor
+from rankwatch.stream_processors.rules import Rules
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+from scenario_replay import replay_pipeline  # noqa: E402
+
+CORPUS = BENCH / "data" / "corpus_runs"
+
+
+def _sim_scenario() -> tuple[str, list[TelemetryBatch]]:
+    faults = {(2, 40): "nan", (5, 60): "spike", **{(3, s): "slow" for s in range(70, 90)}}
+    sim = QuietRanks(run="sim-faults", ranks=8, metrics=12, faults=faults, seed=3)
+    batches = []
+    for tick in range(120):
+        for rank in range(8):
+            if rank == 6 and tick >= 100:
+                continue  # rank 6 hangs: a stall
+            # ranks report a step a few milliseconds apart, as real ones do
+            batches.append(sim.batch(rank, tick, ts=1000.0 + tick + 0.003 * rank, final=tick == 119))
+    return sim.run, batches
+
+
+def _corpus_scenarios() -> list[tuple[str, list[TelemetryBatch]]]:
+    from scenario_runs import read_batches
+
+    out = []
+    for run_dir in sorted(CORPUS.glob("*/"))[:4] if CORPUS.is_dir() else []:
+        batches = [b for f in sorted(run_dir.glob("rank*.bin")) for b in read_batches(f)]
+        if batches:
+            out.append((batches[0].run, batches))
+    return out
+
+
+def _comparable(pipeline) -> tuple[list, list]:
+    """Alerts and rollups without the wall-clock stamps: a batch is applied when its last message
+    arrives, so its messages' arrival times move by up to the batch's spread. Of a stall, which is
+    judged on the worker's timer, that leaves out the silence it measured at the tick (value, score,
+    and the message quoting it); which ranks stalled, from which step, stays in."""
+    def plain(obj) -> str:
+        d = dataclasses.asdict(obj)
+        d.pop("ts", None)
+        if d.get("detector") == "stall":
+            for timed in ("value", "score", "message"):
+                d.pop(timed, None)
+        return json.dumps(d, sort_keys=True, default=str)
+
+    alerts = sorted(plain(e.alert) for e in pipeline.emitted)
+    rollups = sorted(plain(r) for r in pipeline.rollups)
+    return alerts, rollups
+
+
+SCENARIOS = [_sim_scenario(), *_corpus_scenarios()]
+
+
+@pytest.mark.parametrize("take", [3, 64])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[run for run, _ in SCENARIOS])
+def test_batched_stage1_sends_the_same_alerts_and_rollups(scenario, take):
+    run, batches = scenario
+    rules = Rules.load(None)
+    one_by_one = replay_pipeline(batches, rules, run)
+    batched = replay_pipeline(batches, rules, run, take=take)
+    alerts, rollups = _comparable(one_by_one)
+    assert alerts, "the scenario raises alerts, so the comparison means something"
+    assert rollups
+    assert _comparable(batched) == (alerts, rollups)
+
+
+def test_sim_scenario_raises_each_injected_fault():
+    run, batches = _sim_scenario()
+    found = {(e.alert.detector, e.alert.metric) for e in replay_pipeline(batches, Rules.load(None), run).emitted
+             if e.alert.status == "firing"}
+    assert {("nonfinite", "loss"), ("spike", "loss"), ("crossrank", "compute_time_s"), ("stall", "steps")} <= found
+
+
+def _progress(rank: int, step: int, run: str = "r") -> TelemetryBatch:
+    return TelemetryBatch(run=run, rank=rank, world_size=4, producer="p", seq=step, ts=1.0 + step,
+                          series={"compute_time_s": Series(np.array([step]), np.array([0.2]))})
+
+
+def test_one_progress_event_per_run_per_batch_in_order():
+    out = process_batch(TelemetryProcessor(), [_progress(r, s) for s in range(3) for r in range(4)],
+                        lambda key: None, 5.0)
+    events = [decode_run_event(v) for topic, _, v in out.messages if topic == RUN_EVENTS]
+    assert len(events) == 1 and isinstance(events[0], ProgressBatch)
+    assert [(p.rank, p.last_step) for p in events[0].items] == [(r, s) for s in range(3) for r in range(4)]
+    assert set(out.states) == {f"r/{r}" for r in range(4)}
+
+
+def test_a_progress_batch_over_the_size_limit_is_split():
+    big = {"compute_time_s": Series(np.arange(400), np.full(400, math.pi))}
+    items = tuple(RankProgress(run="r", rank=r, world_size=512, last_step=399, ts=1.0, series=big) for r in range(512))
+    from rankwatch.stream_processors.batching import _progress_messages
+
+    messages = _progress_messages("r", list(items))
+    assert len(messages) > 1 and all(len(v) <= 1_000_000 for _, _, v in messages)
+    assert [p.rank for _, _, v in messages for p in decode_run_event(v).items] == list(range(512))
+
+
+def test_a_failing_message_is_reported_and_the_rest_applied():
+    class Exploding(TelemetryProcessor):
+        def process(self, state, batch, now):
+            if batch.rank == 1:
+                raise RuntimeError("boom")
+            return super().process(state, batch, now)
+
+    out = process_batch(Exploding(), [_progress(r, 0) for r in range(3)], lambda key: None, 5.0)
+    assert [i for i, _ in out.failed] == [1]
+    assert set(out.states) == {"r/0", "r/2"}
+    ranks = [p.rank for _, _, v in out.messages for p in decode_run_event(v).items]
+    assert ranks == [0, 2]
