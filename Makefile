@@ -29,7 +29,7 @@ install: $(BIN)/rankwatch $(KAFKA_JAR)
 demo: install
 	$(BIN)/rankwatch demo
 
-test: install postgres-server
+test: install postgres-server alertmanager
 	$(BIN)/python -m pytest -q
 
 # The report store's tests start a throwaway PostgreSQL server from Debian's package (tests/pgserver.py).
@@ -39,6 +39,14 @@ postgres-server:
 	    && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    echo "installing PostgreSQL for the report store's tests"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	fi
+
+# tests/test_alertmanager.py starts a real Alertmanager from Debian's package; installed the same way.
+alertmanager:
+	@if ! command -v prometheus-alertmanager >/dev/null 2>&1 && ! command -v alertmanager >/dev/null 2>&1 \
+	    && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Alertmanager for the Alertmanager tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus-alertmanager >/dev/null; \
 	fi
 
 clean:

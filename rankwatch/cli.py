@@ -90,10 +90,21 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     embedded = _wants_embedded(args, os.environ.get("RANKWATCH_BOOTSTRAP"))
+    if embedded:
+        port = 9092 if args.port is None else args.port
+        using = f"starting the {_BROKER_KINDS[args.broker]}, on port {port}"
+    else:  # a broker is given: options that only shape the one we would start contradict it
+        source = "--bootstrap" if args.bootstrap is not None else "$RANKWATCH_BOOTSTRAP"
+        given = [o for o, v in (("--port", args.port is not None), ("--broker", args.broker != "tansu")) if v]
+        if given:
+            raise RankwatchError(f"{' and '.join(given)} set up a local broker, but {source} names one to use "
+                                 f"({settings.bootstrap}); give one or the other")
+        port = 9092  # not used: no broker is started
+        using = f"using the broker at {settings.bootstrap} (from {source}); none is started"
     echo = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
-    print("starting rankwatch…", file=sys.stderr, flush=True)
+    print(f"starting rankwatch: {using}…", file=sys.stderr, flush=True)
     try:  # around everything: Ctrl-C may come while things are still starting
-        with Stack(settings, embedded=embedded, port=args.port, workers=args.workers, echo=echo,
+        with Stack(settings, embedded=embedded, port=port, workers=args.workers, echo=echo,
                    broker=args.broker) as stack:
             kind = "external broker" if not embedded else _BROKER_KINDS[args.broker]
             print(
@@ -173,7 +184,8 @@ def cmd_notify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rankwatch.sinks import JsonlSink, Notifier, TerminalSink, WebhookSink
-    from rankwatch.sinks.webhook import Secret
+    from rankwatch.sinks.alertmanager import AlertmanagerSink
+    from rankwatch.sinks.webhook import ALERTMANAGER_API, Secret
 
     settings = _settings(args)
     sinks = [] if args.quiet else [TerminalSink()]
@@ -183,15 +195,20 @@ def cmd_notify(args: argparse.Namespace) -> int:
         url = os.environ.get("RANKWATCH_WEBHOOK_URL")
         if not url:
             raise RankwatchError("--webhook needs the URL in $RANKWATCH_WEBHOOK_URL (kept out of argv and logs)")
-        token = os.environ.get("RANKWATCH_WEBHOOK_TOKEN")
-        sinks.append(WebhookSink(Secret(url), format=args.format, token=Secret(token) if token else None))
+        token = Secret(os.environ["RANKWATCH_WEBHOOK_TOKEN"]) if os.environ.get("RANKWATCH_WEBHOOK_TOKEN") else None
+        if args.format in ALERTMANAGER_API:
+            sinks.append(AlertmanagerSink(Secret(url), token=token, resend_s=args.resend))
+        else:
+            sinks.append(WebhookSink(Secret(url), format=args.format, token=token))
     if not sinks:
         raise RankwatchError("nothing to deliver to: give --jsonl and/or --webhook, or drop --quiet")
     state = Path(args.state) if args.state else Path(settings.data_dir) / "notify-offsets.json"
     notifier = Notifier(sinks, run=args.run, state_path=state)
     with _until_ctrl_c() as pressed:  # an alert being delivered is finished and its offset saved
         notifier.follow(settings.bootstrap, follow=not args.once, from_beginning=args.from_beginning, stop=pressed)
-    print(f"delivered {notifier.delivered}, failed {notifier.failed}", file=sys.stderr)
+    print(f"delivered {notifier.delivered}, undelivered {notifier.failed}", file=sys.stderr)
+    if notifier.undelivered:  # the run stopped before it: say which and why, and what happens next
+        print(f"undelivered: {notifier.undelivered}; the next run starts with it", file=sys.stderr)
     return 0 if not notifier.failed else 1
 
 
@@ -305,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("up", cmd_up, "Start broker (embedded unless --bootstrap), Faust worker(s) and the alert printer.")
     bootstrap(p, "; given, no embedded broker is started")
-    p.add_argument("--port", type=int, default=9092, help="port of the embedded broker (default 9092)")
+    p.add_argument("--port", type=int, help="port of the local broker to start (default 9092; not with a bootstrap)")
     p.add_argument("--workers", type=int, default=1, help="Faust workers to run (default 1; at most the partitions)")
     broker_kind(p)
     p.add_argument("-v", "--verbose", action="store_true", help="show the workers' own output")
@@ -331,8 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jsonl", metavar="PATH", help="append each alert as a JSON line to PATH")
     p.add_argument("--webhook", action="store_true",
                    help="POST alerts to $RANKWATCH_WEBHOOK_URL (bearer token from $RANKWATCH_WEBHOOK_TOKEN if set)")
-    p.add_argument("--format", choices=["json", "slack", "alertmanager"], default="json",
-                   help="webhook body: rankwatch JSON, Slack incoming-webhook, or Alertmanager webhook v4")
+    p.add_argument("--format", choices=["json", "slack", "alertmanager", "alertmanager-api", "alertmanager-webhook"],
+                   default="json", help="webhook body: rankwatch JSON, Slack incoming-webhook, Alertmanager's API "
+                   "(alertmanager = alertmanager-api: the URL is Alertmanager's, firing alerts are re-sent), or "
+                   "the payload Alertmanager sends its webhook receivers (alertmanager-webhook)")
+    p.add_argument("--resend", type=float, default=60.0, metavar="SECONDS",
+                   help="Alertmanager: re-send firing alerts this often, each held for 4x as long (default 60)")
     p.add_argument("--run", help="only alerts of this run")
     p.add_argument("--from-beginning", action="store_true",
                    help="start at the oldest alert the first time (later runs resume where they stopped)")

@@ -7,6 +7,11 @@ delivered: a sink that still fails after its own retries is tried again with bac
 while following, ``attempts`` times with ``--once``); then the notifier stops before that alert,
 says which one and why, and the next run starts with it. Delivery is at least once: with several
 sinks, one that took the alert gets it again when another failed.
+
+Sinks may have two more methods: ``tick()``, called after every poll of the topic (Alertmanager's
+sink re-sends its firing alerts there), and ``restore(alert)``: before reading on, a notifier
+with such a sink hands it every alert of the run before its read position, without delivering,
+so state built from past alerts (the firing set) survives a restart.
 """
 
 from __future__ import annotations
@@ -76,8 +81,10 @@ class Notifier:
     def follow(self, bootstrap: str, *, follow: bool = True, from_beginning: bool = False,
                stop: Callable[[], bool] | None = None) -> None:
         offsets = self._load_offsets()
+        if any(hasattr(sink, "restore") for sink in self.sinks):
+            offsets = self._restore(bootstrap, offsets, from_beginning)
         records = read_topic(bootstrap, contract.ALERTS, follow=follow, from_beginning=from_beginning,
-                             offsets=offsets, stop=stop)
+                             offsets=offsets, stop=stop, on_poll=self._tick)
         try:
             for record in records:
                 try:
@@ -97,6 +104,34 @@ class Notifier:
         finally:
             records.close()
             self._save_offsets(offsets)
+
+    def _restore(self, bootstrap: str, offsets: dict[int, int], from_beginning: bool) -> dict[int, int]:
+        """Hand the sinks that keep state the alerts before the read position; return the position.
+
+        A partition without a saved position starts at its beginning (nothing before it) or, when
+        reading from the end, where this pass stopped, so that nothing falls between the two.
+        """
+        start = dict(offsets)
+        for record in read_topic(bootstrap, contract.ALERTS, follow=False, from_beginning=True):
+            saved = offsets.get(record.partition)
+            if saved is None and from_beginning or saved is not None and record.offset >= saved:
+                continue
+            if saved is None:
+                start[record.partition] = record.offset + 1
+            try:
+                alert = Alert.from_bytes(record.value)
+            except SchemaError:
+                continue  # said when it is delivered (or was)
+            if self.run is None or alert.run == self.run:
+                for sink in self.sinks:
+                    if hasattr(sink, "restore"):
+                        sink.restore(alert)
+        return start
+
+    def _tick(self) -> None:
+        for sink in self.sinks:
+            if hasattr(sink, "tick"):
+                sink.tick()
 
     def _deliver(self, alert: Alert, *, forever: bool, stop: Callable[[], bool] | None) -> bool:
         """Deliver with retries and backoff; True once delivered (or nothing to deliver)."""

@@ -1,4 +1,9 @@
-"""Alerts for people: one line each, coloured by severity when the output is a terminal."""
+"""Alerts for people: one line each, coloured by severity when the output is a terminal.
+
+Names and messages come from training code (and from whoever can write to the topic): their
+control characters are shown escaped, so a run named ``ESC]0;owned BEL`` cannot retitle,
+recolour or rewrite the user's terminal, nor start a second line.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,18 @@ _COLOURS = {"critical": "\033[1;31m", "warning": "\033[33m", "info": "\033[36m"}
 _RESET = "\033[0m"
 
 
+def printable(value: object) -> str:
+    r"""``value`` with what a terminal would act on (ESC, CR, newlines, bidi overrides) escaped.
+
+    >>> print(printable("loss\x1b[2J\nrank\u202e ok"))
+    loss\x1b[2J\nrank\u202e ok
+    """
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def format_alert(alert: Alert, *, colour: bool = False) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(alert.ts))
     severity = alert.severity.upper()
@@ -25,8 +42,8 @@ def format_alert(alert: Alert, *, colour: bool = False) -> str:
     else:
         who = "run-wide"
     return (
-        f"{when} {severity:<8} {alert.status:<8} run={alert.run} {who} step={alert.step} "
-        f"{alert.detector}/{alert.metric}: {alert.message}"
+        f"{when} {severity:<8} {alert.status:<8} run={printable(alert.run)} {who} step={alert.step} "
+        f"{printable(alert.detector)}/{printable(alert.metric)}: {printable(alert.message)}"
     )
 
 

@@ -1,4 +1,8 @@
-"""HTTP webhook sink: plain JSON, Slack incoming-webhook, or Alertmanager webhook (v4) bodies.
+"""HTTP webhook sink: plain JSON, Slack incoming-webhook, or Alertmanager's webhook-receiver (v4) bodies.
+
+Sending alerts *to* Alertmanager (its ``/api/v2/alerts``) is ``sinks/alertmanager.py``:
+``--format alertmanager`` (also spelled ``alertmanager-api``). ``alertmanager-webhook`` is the
+payload Alertmanager itself sends to its webhook receivers, for tools built to receive that.
 
 The URL (Slack's carries its token) and an optional bearer token come from the environment and
 are wrapped in ``Secret``, whose repr and str hide them, so neither reaches a log line or a
@@ -26,7 +30,9 @@ from rankwatch.errors import RankwatchError
 from rankwatch.sinks.base import BatchingSink
 
 log = logging.getLogger(__name__)
-FORMATS = ("json", "slack", "alertmanager")
+FORMATS = ("json", "slack", "alertmanager-webhook")  # this sink's; ALL_FORMATS adds Alertmanager's API
+ALERTMANAGER_API = ("alertmanager", "alertmanager-api")  # the same: users expect "alertmanager" to reach it
+ALL_FORMATS = (*FORMATS, *ALERTMANAGER_API)
 
 
 class Secret:
@@ -88,14 +94,33 @@ def slack_body(batch: list[Alert]) -> dict:
     return {"text": "\n".join(lines)}
 
 
-def alertmanager_body(batch: list[Alert], receiver: str = "rankwatch") -> dict:
-    """Alertmanager's webhook payload (version 4), so existing receivers of it work unchanged."""
+def alert_labels(a: Alert) -> dict[str, str]:
+    """One label set per condition, the same for its firing, its growth and its resolve: the ranks
+    involved change while it fires, so they go in annotations. A condition that is per rank by its
+    key (``run/detector/metric/rank``) keeps that rank as a label.
+
+    >>> from rankwatch.contract import Alert
+    >>> a = Alert(key="r/nonfinite/loss", run="r", status="firing", severity="critical", detector="nonfinite",
+    ...           metric="loss", rank=3, step=5, value=1.0, message="", ts=0.0, ranks=(3,))
+    >>> alert_labels(a)
+    {'alertname': 'nonfinite/loss', 'run': 'r', 'detector': 'nonfinite', 'metric': 'loss', 'severity': 'critical'}
+    """
+    labels = {"alertname": f"{a.detector}/{a.metric}", "run": a.run, "detector": a.detector,
+              "metric": a.metric, "severity": a.severity}
+    if a.rank is not None and a.key == Alert.make_key(a.run, a.detector, a.metric, a.rank):
+        labels["rank"] = str(a.rank)
+    return labels
+
+
+def alertmanager_webhook_body(batch: list[Alert], receiver: str = "rankwatch") -> dict:
+    """The payload Alertmanager sends its webhook receivers (version 4), for tools that read it.
+
+    Not what Alertmanager's API accepts (that is ``sinks/alertmanager.py``). Without a firing
+    set, a resolved alert's start is unknown here: ``startsAt`` is then the zero time.
+    """
     alerts = []
     for a in batch:
-        labels = {"alertname": f"{a.detector}/{a.metric}", "run": a.run, "detector": a.detector,
-                  "metric": a.metric, "severity": a.severity}
-        if a.rank is not None:
-            labels["rank"] = str(a.rank)
+        labels = alert_labels(a)
         alerts.append({
             "status": a.status,
             "labels": labels,
@@ -107,17 +132,19 @@ def alertmanager_body(batch: list[Alert], receiver: str = "rankwatch") -> dict:
         })
     status = "firing" if any(a.status == "firing" for a in batch) else "resolved"
     common = {k: v for k, v in alerts[0]["labels"].items() if all(x["labels"].get(k) == v for x in alerts)}
+    notes = {k: v for k, v in alerts[0]["annotations"].items()
+             if all(x["annotations"].get(k) == v for x in alerts)}
     return {
         "version": "4", "groupKey": "{}:" + json.dumps(common, sort_keys=True), "truncatedAlerts": 0,
-        "status": status, "receiver": receiver, "groupLabels": {}, "commonLabels": common,
-        "commonAnnotations": {}, "externalURL": "", "alerts": alerts,
+        "status": status, "receiver": receiver, "groupLabels": common, "commonLabels": common,
+        "commonAnnotations": notes, "externalURL": "", "alerts": alerts,
     }
 
 
 _BODIES: dict[str, Callable[[list[Alert]], dict]] = {
     "json": lambda batch: {"alerts": [a.to_dict() for a in batch]},
     "slack": slack_body,
-    "alertmanager": alertmanager_body,
+    "alertmanager-webhook": alertmanager_webhook_body,
 }
 
 
@@ -156,7 +183,8 @@ class WebhookSink(BatchingSink):
         sleep: Callable[[float], None] = time.sleep,
     ):
         if format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+            hint = "; Alertmanager's API is AlertmanagerSink's" if format in ALERTMANAGER_API else ""
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}{hint}")
         super().__init__(max_batch=max_batch)
         self.url, self.format, self.token = url, format, token
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
@@ -165,7 +193,11 @@ class WebhookSink(BatchingSink):
         self.where = f"{parts.scheme}://{parts.hostname}"  # what logs may show: no path, no token
 
     def write(self, batch: list[Alert]) -> None:
-        body = json.dumps(_BODIES[self.format](batch)).encode()
+        self.post(_BODIES[self.format](batch), len(batch))
+
+    def post(self, payload: object, count: int) -> None:
+        """POST ``payload`` as JSON with the retries above; raise ``DeliveryError`` if it is not taken."""
+        body = json.dumps(payload).encode()
         headers = {"Content-Type": "application/json", "User-Agent": "rankwatch"}
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token.reveal()}"
@@ -177,7 +209,9 @@ class WebhookSink(BatchingSink):
                 return
             except urllib.error.HTTPError as exc:
                 if exc.code < 500 and exc.code != 429:
-                    raise DeliveryError(f"webhook {self.where} refused {len(batch)} alert(s): HTTP {exc.code}") from None
+                    said = exc.read(300).decode("utf-8", "replace").strip()  # e.g. Alertmanager's reason
+                    raise DeliveryError(f"webhook {self.where} refused {count} alert(s): HTTP {exc.code}"
+                                        + (f" ({said})" if said else "")) from None
                 why = f"HTTP {exc.code}"
                 wait = retry_after(exc.headers.get("Retry-After")) if exc.code == 429 else None
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:

@@ -1,13 +1,16 @@
-"""Sinks: JSONL, webhook (JSON, Slack, Alertmanager) with retries, and the notifier's bookkeeping."""
+"""Sinks: JSONL, terminal, webhook (JSON, Slack, Alertmanager) with retries, and the notifier's bookkeeping."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -17,7 +20,8 @@ from kafka import KafkaProducer
 
 from rankwatch import contract
 from rankwatch.contract import Alert, Series, TelemetryBatch
-from rankwatch.sinks import JsonlSink, Notifier, WebhookSink
+from rankwatch.sinks import JsonlSink, Notifier, TerminalSink, WebhookSink
+from rankwatch.sinks.alertmanager import AlertmanagerSink
 from rankwatch.sinks.webhook import DeliveryError, Secret
 
 SECRET_PATH = "/services/T000/B000/very-secret-token"
@@ -111,8 +115,8 @@ def test_slack_body_is_one_text_line_per_alert(receiver):
     assert len(lines) == 2 and "FIRING" in lines[0] and "RESOLVED" in lines[1] and "loss is NaN" in lines[0]
 
 
-def test_alertmanager_body_follows_the_v4_webhook_format(receiver):
-    sink = _sink(receiver, format="alertmanager")
+def test_alertmanager_webhook_body_follows_the_v4_webhook_format(receiver):
+    sink = _sink(receiver, format="alertmanager-webhook")
     sink.add(_alert())
     sink.flush()
     [(_, _, body)] = receiver.requests
@@ -122,6 +126,40 @@ def test_alertmanager_body_follows_the_v4_webhook_format(receiver):
                                "metric": "loss", "severity": "critical"}
     assert alert["startsAt"] == "2023-11-14T22:13:20Z" and alert["annotations"]["ranks"] == "0,1"
     assert body["commonLabels"]["run"] == "r" and len(alert["fingerprint"]) == 16
+    assert body["groupLabels"] == body["commonLabels"] and body["commonAnnotations"]["ranks"] == "0,1"
+
+
+def test_alertmanager_api_gets_arrays_one_label_set_per_condition_and_the_real_start_and_end(receiver):
+    now = [1_700_000_100.0]
+    sink = AlertmanagerSink(Secret(receiver.url.removesuffix(SECRET_PATH)), resend_s=10.0, clock=lambda: now[0],
+                            backoff_s=0.0, sleep=lambda s: None)
+    one = replace(_alert(ranks=(1,)), rank=1, ts=1_700_000_000.0)
+    for alert in (one, replace(one, rank=None, ranks=(1, 2), ts=1_700_000_005.0),
+                  replace(one, status="resolved", rank=None, ranks=(1, 2), ts=1_700_000_050.0)):
+        sink.add(alert)
+        sink.flush()
+    paths = {path for path, _, _ in receiver.requests}
+    bodies = [body for _, _, body in receiver.requests]
+    assert paths == {"/api/v2/alerts"} and all(isinstance(b, list) and len(b) == 1 for b in bodies)
+    firing, grown, resolved = (b[0] for b in bodies)
+    assert firing["labels"] == grown["labels"] == resolved["labels"]  # no rank label: the group grows
+    assert firing["labels"]["alertname"] == "nonfinite/loss" and "rank" not in firing["labels"]
+    assert (firing["annotations"]["ranks"], grown["annotations"]["ranks"]) == ("1", "1,2")
+    assert firing["startsAt"] == grown["startsAt"] == resolved["startsAt"] == "2023-11-14T22:13:20Z"
+    assert firing["endsAt"] == "2023-11-14T22:15:40Z"  # now + 4 x resend: held without a resolve_timeout
+    assert resolved["endsAt"] == "2023-11-14T22:14:10Z"  # when it resolved
+    assert sink.firing == {}
+    sink.tick()
+    assert len(receiver.requests) == 3  # nothing fires, nothing to re-send
+
+
+def test_terminal_lines_show_control_characters_escaped():
+    out = io.StringIO()
+    TerminalSink(out).add(_alert(run="run\x1b]0;owned\x07", metric="loss\x1b[2J\r\nFAKE ALERT",
+                                 message="msg\u202eevil"))
+    text = out.getvalue()
+    assert text.count("\n") == 1 and "\x1b" not in text and "\r" not in text and "\u202e" not in text
+    assert "run=run\\x1b]0;owned\\x07 " in text and "loss\\x1b[2J\\r\\nFAKE ALERT" in text
 
 
 def test_jsonl_lines_are_the_wire_form(tmp_path):
@@ -232,3 +270,21 @@ def test_slack_gets_hostile_names_escaped_long_ones_capped_and_its_retry_after_h
     assert "`reward&lt;http://evil.example|click here&gt;`" in first and "<" not in text and ">" not in text
     assert "a&amp;bmmm" in first and "…[truncated]" in first and len(first) < 1000
     assert len(text) <= 40_000 and text.endswith("more alert(s) not shown]")
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("receiver", [(400,) * 3], indirect=True)
+def test_notify_command_says_how_many_alerts_stayed_undelivered_and_why(bootstrap, run_id, receiver, tmp_path):
+    alert = _alert(run=run_id)
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    producer.send(contract.ALERTS, alert.to_bytes(), key=alert.key.encode())
+    producer.flush()
+    producer.close()
+    cmd = [sys.executable, "-m", "rankwatch", "notify", "--bootstrap", bootstrap, "--run", run_id, "--once",
+           "--from-beginning", "--quiet", "--webhook", "--state", str(tmp_path / "offsets.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RANKWATCH_WEBHOOK_URL": receiver.url})
+    assert done.returncode == 1 and len(receiver.requests) == 3  # three tries, then it stops before the alert
+    assert "delivered 0, undelivered 1" in done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("undelivered:")]
+    assert alert.key in line and "HTTP 400" in line and "the next run starts with it" in line
