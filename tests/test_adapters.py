@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, consume_json
 from test_telemetry import read_series
 
+from rankwatch import contract
 from rankwatch.producers import RankPublisher
 
 STEPS = 4
@@ -152,8 +153,10 @@ def test_huggingface_trainer_without_a_run_id_trains_to_the_end_under_its_run_na
     assert trainer.state.global_step == STEPS
     warnings = [r.getMessage() for r in caplog.records if r.name.startswith("rankwatch")]
     assert len(warnings) == 1 and "RANKWATCH_RUN is not set" in warnings[0] and run_id in warnings[0]
-    got = read_series(bootstrap, run_id, 1)  # published under the trainer's run name
-    assert [s for s, _ in got[(0, "loss")]][:1] == [1]
+    # Published under the trainer's run name. (Not read_series(…, 1): one poll may bring several batches.)
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id,
+                           until=lambda found: any("loss" in b["series"] for b in found))
+    assert min(step for b in batches for step in b["series"].get("loss", {}).get("steps", [])) == 1
 
 
 class _BrokenPublisher:
@@ -202,3 +205,58 @@ def test_a_failing_rankwatch_never_stops_training(trainer, tmp_path, caplog):
     assert steps == STEPS
     failures = [r for r in caplog.records if "monitoring is off" in r.getMessage()]
     assert len(failures) == 1 and failures[0].exc_info is not None
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec")
+@pytest.mark.parametrize("trainer", ["huggingface", "lightning"])
+@pytest.mark.parametrize(("schedule", "expected"), [
+    ({"freq_steps": 3}, [3, 6, 7]),  # the periodic firings, then the final weights (step 7)
+    ({"freq_epochs": 1}, [7]),  # one epoch that ends with training: evaluated once, at the end
+], ids=["steps", "epochs"])
+def test_trainer_callbacks_evaluate_on_the_evaluator_s_schedule_and_the_final_weights(
+        trainer, schedule, expected, tmp_path):
+    from test_trainers_ddp import RecordingPublisher
+
+    from rankwatch.producers import Evaluator
+
+    evaluator = Evaluator(**schedule)
+    if trainer == "huggingface":
+        from transformers import Trainer, TrainingArguments
+
+        from rankwatch.producers.adapters.huggingface import RankwatchCallback
+
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=7,
+                                 per_device_eval_batch_size=16, report_to=[], save_strategy="no", use_cpu=True,
+                                 disable_tqdm=True, logging_steps=100)
+        publisher = RecordingPublisher()
+        hf = Trainer(model=_tiny_gpt2(), args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(),
+                     callbacks=[RankwatchCallback(publisher, evaluator=evaluator)])
+        hf.train()
+        # Trainer's own evaluation ran at those steps, and what it logged was published there.
+        assert [e["step"] for e in hf.state.log_history if "eval_loss" in e] == expected
+        assert sorted(s for s, point in publisher.points.items() if "eval_loss" in point) == expected
+    else:
+        import lightning.pytorch as L
+
+        from rankwatch.producers.adapters.lightning import RankwatchCallback
+
+        class Regression(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(8, 1)
+
+            def training_step(self, batch, batch_idx):
+                return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        evaluated: list[int] = []
+        data = torch.utils.data.TensorDataset(torch.randn(56, 8), torch.randn(56, 1))  # 7 steps an epoch
+        pl = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, enable_checkpointing=False, logger=False,
+                       enable_progress_bar=False, enable_model_summary=False,
+                       callbacks=[RankwatchCallback(RecordingPublisher(), evaluator=evaluator,
+                                                    evaluate=evaluated.append)])
+        pl.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=8))
+        assert pl.global_step == 7 and evaluated == expected
+    assert evaluator.last_triggers == ("final",)

@@ -3,8 +3,8 @@
 Every rank's step lasts as long as the slowest one's, because the others wait for it in DDP's
 gradient all-reduce; only ``compute_time_s`` (the step less its collective time) names the slow
 rank, and only if the hook times that all-reduce although the trainer hands the callback the
-model inside its ``DistributedDataParallel`` wrapper. No broker here: the ranks publish into a
-recording double, which is all this needs (the broker path is tested in test_adapters.py).
+model inside its ``DistributedDataParallel`` wrapper. The timing tests publish into a recording
+double; the last test publishes to the session's broker and waits for the worker's alert.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import time
 
 import pytest
 import torch
+from conftest import consume_json
+
+from rankwatch import contract
 
 WORLD, SLOW_RANK, SLOW_S, STEPS = 2, 1, 0.15, 10
 
@@ -156,3 +159,73 @@ def test_the_slow_rank_computes_longer_and_its_peer_waits_in_the_all_reduce(trai
     # The fast rank spends the slow one's extra time waiting in the all-reduce, not computing.
     assert waited[fast] > SLOW_S * 0.6 > waited[SLOW_RANK], (compute, waited)
     assert compute[SLOW_RANK] > SLOW_S * 0.8 and compute[SLOW_RANK] > compute[fast] + SLOW_S * 0.5, (compute, waited)
+
+
+# Lightning under DDP against the real broker and worker. With two ranks the cross-rank detector
+# cannot tell from one step which rank is off (both sit equally far from their midpoint), so it
+# also asks each rank's own history: rank 1 must first run like rank 0 for the warm-up (10 steps),
+# then slow down. Each slow step adds min(z - 3, 5) to rank 1's CUSUM, which fires at 10.
+ALERT_STEPS, SLOW_FROM = 30, 15
+
+
+def _lightning_to_broker(rank: int, port: int, run: str, bootstrap: str, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANKWATCH_RUN=run,
+                      RANKWATCH_BOOTSTRAP=bootstrap)
+    torch.set_num_threads(1)
+    try:
+        import lightning.pytorch as L
+
+        from rankwatch.producers.adapters.lightning import RankwatchCallback
+
+        class Regression(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(8, 1)
+
+            def training_step(self, batch, batch_idx):
+                _slow_down(rank, self.global_step >= SLOW_FROM)
+                return torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        trainer = L.Trainer(
+            accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=ALERT_STEPS, enable_checkpointing=False,
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[RankwatchCallback(every=1)],  # its own publisher, from the environment
+        )
+        trainer.fit(Regression(), torch.utils.data.DataLoader(_Pairs(), batch_size=4))
+        results.put((rank, None))
+    except BaseException as exc:
+        results.put((rank, repr(exc)))
+        raise
+
+
+@pytest.mark.broker
+@pytest.mark.filterwarnings("ignore:.*LeafSpec")
+def test_a_straggler_alert_names_the_slow_rank_under_lightning_ddp(bootstrap, run_id):
+    import torch.multiprocessing as mp
+
+    from rankwatch.broker import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_lightning_to_broker, args=(r, port, run_id, bootstrap, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        errors = dict(results.get(timeout=180) for _ in procs)  # ~30 s here; a loaded CI machine is slower
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert errors == {0: None, 1: None}
+    alerts = consume_json(bootstrap, contract.ALERTS,
+                          lambda a: a["run"] == run_id and a["detector"] == "crossrank", timeout_s=30)
+    assert alerts, "no straggler alert"
+    assert (alerts[0]["metric"], alerts[0]["ranks"], alerts[0]["status"]) == ("compute_time_s", [SLOW_RANK], "firing")
+    assert alerts[0]["step"] >= SLOW_FROM

@@ -10,6 +10,13 @@ and create a ``RankPublisher.from_env()`` when none is given.
 A monitoring hook must never stop training: each callback entry point catches what rankwatch
 raises, logs one warning with the traceback, and switches monitoring off for the rest of the run.
 A missing run id is not an error either: it is derived (``derive_run``) with one warning.
+
+Both take an optional ``Evaluator`` (``evaluator=``): it decides after each optimizer step whether
+the weights are evaluated, and at the end of training ``Evaluator.final`` makes sure the final
+weights are (periodic triggers alone stop short). The evaluation itself is the trainer's own
+(Hugging Face: Trainer's ``evaluate`` on its ``eval_dataset``, whose ``eval_*`` logs are published)
+or a function ``evaluate(step)`` the user gives (required under Lightning, which cannot start its
+validation loop from a callback).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 
 from rankwatch.producers.publisher import RankPublisher
 
-__all__ = ["batch_size", "derive_run", "guarded", "publisher_from_env", "release"]
+__all__ = ["EvaluationSchedule", "batch_size", "derive_run", "guarded", "publisher_from_env", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +91,38 @@ def guarded(method: Callable) -> Callable:
             return None
 
     return entry
+
+
+class EvaluationSchedule:
+    """An ``Evaluator`` asked at each optimizer step and once at the end; ``run(step)`` evaluates.
+
+    Kept apart from monitoring: a failing publisher does not stop the user's evaluations. A
+    failure of the schedule itself (e.g. its broadcast) is logged once and ends the schedule.
+    """
+
+    def __init__(self, evaluator: Any, run: Callable[[int], Any] | None):
+        self.evaluator, self.run = evaluator, run
+
+    def after_step(self, step: int, epoch: int | None, *, last: bool = False) -> bool:
+        """True when the weights after ``step`` updates are due (``last``: the final ones); ``run`` is called then."""
+        return self._ask(lambda ev: ev.should_evaluate(step=step, epoch=epoch) | (last and ev.final(step=step)), step)
+
+    def at_end(self, step: int) -> bool:
+        return self._ask(lambda ev: ev.final(step=step), step)
+
+    def _ask(self, decide: Callable[[Any], bool], step: int) -> bool:
+        if self.evaluator is None:
+            return False
+        try:
+            due = bool(decide(self.evaluator))
+        except Exception:
+            self.evaluator = None
+            log.warning("rankwatch: the evaluation schedule failed; no more evaluations are scheduled, training goes on",
+                        exc_info=True)
+            return False
+        if due and self.run is not None:
+            self.run(step)
+        return due
 
 
 def release(hook: Any, publisher: Any, owns_publisher: bool) -> None:

@@ -12,17 +12,23 @@ is published too, names unchanged. Trainer clips gradients before the optimizer 
 pre-clip ``grad_norm`` comes from Trainer's logs (every ``logging_steps``), not from the hook.
 On fast steps ``grad_nonfinite``, ``lr`` and the weight statistics come every few steps (the
 hook's stride; ``RankwatchCallback(every=1)`` measures every step).
+
+With ``evaluator=Evaluator(...)`` the callback schedules evaluations: when it fires after a step,
+and after the last step (``Evaluator.final``: the final weights), Trainer runs its own evaluation
+on its ``eval_dataset`` (which it then needs, as for ``eval_strategy``), and the ``eval_*`` numbers
+it logs are published. ``evaluate=fn`` calls ``fn(step)`` instead (e.g. rankwatch's
+``evaluate_shard`` over a sharded loader).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from rankwatch.producers.adapters import batch_size, guarded, publisher_from_env, release
+from rankwatch.producers.adapters import EvaluationSchedule, batch_size, guarded, publisher_from_env, release
 from rankwatch.producers.publisher import RankPublisher
 from rankwatch.producers.torch_hook import TrainerHook
 
@@ -36,16 +42,25 @@ class RankwatchCallback(TrainerCallback):
     failure is logged once and monitoring stops.
     """
 
-    def __init__(self, publisher: RankPublisher | None = None, **hook_options: Any):
+    def __init__(self, publisher: RankPublisher | None = None, *, evaluator: Any = None,
+                 evaluate: Callable[[int], Any] | None = None, **hook_options: Any):
         self.publisher = publisher
+        self.evaluation = EvaluationSchedule(evaluator, evaluate)
         self.hook_options = hook_options
         self.hook: TrainerHook | None = None
         self._owns_publisher = publisher is None
         self._forward_handle = None
         self._loss_seen = False
 
-    @guarded
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        # The evaluator's first check, before the first update, anchors its schedule. A firing here
+        # (``eval_before_train``) runs ``evaluate``; Trainer's own evaluation cannot start at this
+        # point (its ``eval_on_start=True`` does that).
+        self.evaluation.after_step(state.global_step, int(state.epoch or 0))
+        self._start(args, state, model, optimizer)
+
+    @guarded
+    def _start(self, args, state, model, optimizer) -> None:
         if self.publisher is None:
             self.publisher = publisher_from_env(args.run_name)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
@@ -79,8 +94,15 @@ class RankwatchCallback(TrainerCallback):
         if self.hook is not None:
             self.hook.after_step()
 
-    @guarded
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self._publish_step(state, optimizer)
+        # Trainer stops after this step (max_steps, or a callback said so): the final weights are due.
+        last = control.should_training_stop or state.global_step >= state.max_steps
+        if self.evaluation.after_step(state.global_step, int(state.epoch or 0), last=last) and self.evaluation.run is None:
+            control.should_evaluate = True  # Trainer evaluates right after this event
+
+    @guarded
+    def _publish_step(self, state, optimizer) -> None:
         if self.hook is not None:
             skipped = getattr(optimizer, "step_was_skipped", None)
             self.hook.end_step(state.global_step, skipped=None if skipped is None else float(skipped))
@@ -95,8 +117,13 @@ class RankwatchCallback(TrainerCallback):
         if numbers:
             self.publisher.log(numbers, state.global_step)
 
-    @guarded
     def on_train_end(self, args, state, control, **kwargs):
+        if self.evaluation.run is not None:  # stopped early without passing through on_step_end's "last"
+            self.evaluation.at_end(state.global_step)
+        self._end()
+
+    @guarded
+    def _end(self) -> None:
         self._switch_off()
 
     def _switch_off(self) -> None:
