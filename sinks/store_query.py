@@ -171,11 +171,15 @@ class Queries:
         latest = self.db.query(
             "SELECT metric, MAX(start_step), MAX(end_step - start_step) FROM rollups WHERE run = ? AND rank = ? "
             "GROUP BY metric", (run, ALL_RANKS))
+        world = self.db.query("SELECT world_size FROM runs WHERE run = ?", (run,))
+        # Named ranks, not `rank < N`: an IN list is one index seek per rank, a range scans their history.
+        ranks = [ALL_RANKS, *range(min(max_ranks, (world[0][0] or 0) if world else 0))]
+        marks = ", ".join("?" * len(ranks))
         out = []
         for metric, start, width in latest:
             rows = self.db.query(
-                f"SELECT {', '.join(ROLLUP_FIELDS)} FROM rollups WHERE run = ? AND metric = ? AND rank < ? "
-                "AND start_step >= ? ORDER BY rank, start_step", (run, metric, max_ranks, start - width))
+                f"SELECT {', '.join(ROLLUP_FIELDS)} FROM rollups WHERE run = ? AND metric = ? AND rank IN ({marks}) "
+                "AND start_step >= ? ORDER BY rank, start_step", (run, metric, *ranks, start - width))
             newest = {row[1]: row for row in rows}  # by rank; the later window wins
             out += [_rollup(dict(zip(ROLLUP_FIELDS, row))) for row in newest.values()]
         return out
