@@ -160,10 +160,13 @@ def test_spike_nonfinite_points_score_zero_and_are_not_learned():
 
 
 def test_spike_history_keeps_only_the_last_window_points():
-    d = RobustSpike(window=5, warmup=2)
+    d = RobustSpike(window=5, warmup=2, max_period=0)
     d.learn(np.arange(12, dtype=float))
     assert d.state_dict()["history"] == [7.0, 8.0, 9.0, 10.0, 11.0]
-    assert RobustSpike(window=3, warmup=2, history=[1, 2, 3, 4]).state_dict()["history"] == [2.0, 3.0, 4.0]
+    d = RobustSpike(window=5, warmup=2, max_period=3)  # and three periods of the longest period looked for
+    d.learn(np.arange(30, dtype=float))
+    assert d.state_dict()["history"] == np.arange(16, 30, dtype=float).tolist()
+    assert RobustSpike(window=3, warmup=2, max_period=0, history=[1, 2, 3, 4]).state_dict()["history"] == [2.0, 3.0, 4.0]
 
 
 def test_spike_flat_series_first_wiggle_is_bounded_by_min_scale():
@@ -432,9 +435,10 @@ def test_blowup_fires_on_a_kl_blowup_only_upwards_and_respects_min_factor():
 
 def test_ensemble_decides_exactly_when_a_member_does():
     rng = np.random.default_rng(61)
-    x = np.r_[rng.normal(0.0, 1.0, 300), rng.normal(4.0, 1.0, 200)]
+    # An 8-sigma shift: smaller ones are cusum's (not a default member since calibration).
+    x = np.r_[rng.normal(0.0, 1.0, 300), rng.normal(8.0, 1.0, 200)]
     x[150], x[400] = 20.0, np.nan
-    members = [NonFinite(), RobustSpike(), Cusum()]
+    members = [NonFinite(), RobustSpike(), EwmaResidual()]
     expected = np.any([m.decide(m.update(x)) for m in members], axis=0)
     d = Ensemble()
     scores = d.update(x)

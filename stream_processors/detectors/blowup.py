@@ -48,15 +48,18 @@ class Blowup(RobustSpike):
         tail: float = 0.95,
         memory: int = 1000,
         rebase: int = 8,
+        max_period: int = 300,
         history: Sequence[float] = (),
         calib: Sequence[Any] = (),
         run: int = 0,
+        period: int = 0,
+        seen: int = 0,
     ):
         if min_factor <= 1 or floor <= 0:
             raise ValueError("need min_factor > 1 and floor > 0")
         super().__init__(
             window=window, warmup=warmup, threshold=threshold, direction="up", tail=tail, memory=memory,
-            rebase=rebase, history=history, calib=calib, run=run,
+            rebase=rebase, max_period=max_period, history=history, calib=calib, run=run, period=period, seen=seen,
         )
         self.min_factor, self.floor = min_factor, floor
         self._min_log_scale = math.log(min_factor) / 6.0  # a min_factor jump is z = 6 at least
@@ -67,9 +70,7 @@ class Blowup(RobustSpike):
     def _floor(self, median: np.ndarray) -> np.ndarray:
         return np.full(len(median), self._min_log_scale)
 
-    def _z_rows(self, points: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        center, scale = self._center_scale(rows)
-        z = (points - center) / scale
+    def _adjust(self, z: np.ndarray, points: np.ndarray, center: np.ndarray) -> np.ndarray:
         # Below min_factor times the median a point counts as a 3.5-sigma one at most: rarer than one
         # in a thousand under the prior, yet under the default threshold (see the docstring).
         small = points - center < math.log(self.min_factor)
@@ -85,7 +86,10 @@ class Blowup(RobustSpike):
             "tail": self.tail,
             "memory": self.memory,
             "rebase": self.rebase,
+            "max_period": self.max_period,
             "history": list(self.history),
             "calib": self.calib.state(),
             "run": self.run,
+            "period": self.period,
+            "seen": self.seen,
         }

@@ -8,10 +8,11 @@ import numpy as np
 
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
+from rankwatch.stream_processors.detectors.seasonal import detect_period, phase_baseline
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
     check_direction,
-    directed,
+    directed_one,
     median_rows,
     standardise,
     tail_sigma,
@@ -23,6 +24,8 @@ PRIOR_WEIGHT = 50.0
 #: A point this many robust sigmas off, in the same direction as the ones before it, counts
 #: towards a level change (``rebase``).
 SHIFT_Z = 4.0
+#: Learned points between two looks for a period.
+PERIOD_EVERY = 64
 
 
 class RobustSpike(Detector):
@@ -43,9 +46,16 @@ class RobustSpike(Detector):
     a deviation that recurs (an evaluation pause every 50 steps) becomes normal after a few
     occurrences, while one fault does not teach the model that faults are normal.
 
+    Recurring patterns: every 64 points the detector looks for a period of up to ``max_period``
+    points in its history (``seasonal.detect_period``: autocorrelation of the differences, kept
+    only if it predicts better than the rolling median). With one, a point is judged against its
+    phase one, two and three periods back, so an evaluation pause every 50 steps, a checkpoint
+    sawtooth or a daily cycle is expected, and a fault inside that rhythm still stands out.
+
     After ``rebase`` consecutive points more than 4 sigmas off on the same side, the level has
-    changed: the window restarts on those points and re-warms, so a persistent shift is reported
-    once, at its start, instead of firing until the median catches up. ``min_scale`` floors the
+    changed: the history is moved to the new level (by the gap between the medians before and
+    after), so a persistent shift is reported once, at its start, instead of firing until the
+    median catches up, and the recurring shape learned before it is kept. ``min_scale`` floors the
     unit (absolutely and relative to the median), so a perfectly flat series scores 0 and its
     first real wiggle is reported once. Non-finite points score 0 here (``NonFinite`` owns them)
     and are not learned.
@@ -75,24 +85,34 @@ class RobustSpike(Detector):
         tail: float = 0.5,
         memory: int = 1000,
         rebase: int = 8,
+        max_period: int = 300,
         history: Sequence[float] = (),
         calib: Sequence[Any] = (),
         run: int = 0,
+        period: int = 0,
+        seen: int = 0,
     ):
         if window < 3 or not 2 <= warmup <= window:
             raise ValueError("need window >= 3 and 2 <= warmup <= window")
         if not 0 < threshold < 1 or min_scale < 0 or not 0.5 <= tail < 1:
             raise ValueError("need 0 < threshold < 1, min_scale >= 0, 0.5 <= tail < 1")
-        if memory < 10 or rebase < 0:
-            raise ValueError("need memory >= 10 and rebase >= 0 (0: never)")
+        if memory < 10 or rebase < 0 or max_period < 0 or max_period == 1:
+            raise ValueError("need memory >= 10, rebase >= 0 (0: never), max_period 0 (off) or >= 2")
         check_direction(direction)
         self.window, self.warmup, self.threshold = window, warmup, threshold
         self.min_scale, self.direction, self.tail = min_scale, direction, tail
-        self.memory, self.rebase = memory, rebase
-        self.history = [float(v) for v in history][-window:]
+        self.memory, self.rebase, self.max_period = memory, rebase, max_period
+        self.history = [float(v) for v in history][-self.span :]
         self.run = int(run)  # signed count of consecutive far points on one side
+        self.period = int(period)  # the detected period in points (0: none)
+        self.seen = int(seen)  # finite points learned: the period is checked every PERIOD_EVERY
         counts, pending = calib if calib else (prior_counts(half_normal_sf, PRIOR_WEIGHT), [])
         self.calib = TailModel(counts, pending, memory=memory)
+
+    @property
+    def span(self) -> int:
+        """History kept: a rolling window, plus three periods of the longest period looked for."""
+        return self.window + 3 * self.max_period
 
     def _transform(self, values: np.ndarray) -> np.ndarray:
         """The scale the statistics live on (identity here; ``Blowup`` uses logs)."""
@@ -107,21 +127,47 @@ class RobustSpike(Detector):
         scale = mad if self.tail <= 0.5 else np.maximum(mad, tail_sigma(rows, median, self.tail, self.direction))
         return median, np.maximum(scale, self._floor(median))
 
-    def _z_rows(self, points: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Signed robust z of transformed finite ``points``, each against its own row of history."""
-        center, scale = self._center_scale(rows)
-        return standardise(points, center, scale)
+    def _adjust(self, z: np.ndarray, points: np.ndarray, center: np.ndarray) -> np.ndarray:
+        """Hook on the signed z of ``points`` around their predicted ``center`` (``Blowup`` caps small jumps)."""
+        return z
 
-    def _score_z(self, z: float, calib: TailModel) -> float:
-        return calib.score(float(directed(np.array([z]), self.direction)[0]))
+    def _z_stretch(self, series: np.ndarray, first: int) -> np.ndarray:
+        """Signed z of ``series[first:]`` (``first >= warmup``), each against the points before it.
+
+        With a period, a point's prediction is its phase one, two and three periods back
+        (``seasonal.phase_baseline``), in units of the MAD of the last ``window`` such residuals;
+        without, the median and MAD of the last ``window`` points.
+        """
+        p, w = self.period, self.window
+        if p and first >= 3 * p + w:
+            base = phase_baseline(series, p, first - w)
+            residual = series[first - w :] - base
+            rows = np.lib.stride_tricks.sliding_window_view(residual[:-1], w)
+            middle, scale = self._center_scale(rows)
+            center = base[w:] + middle
+            scale = np.maximum(scale, self._floor(center))
+        else:
+            z_rows, centers, scales = [], [], []
+            for rows in trailing_windows(series, w, first):
+                middle, unit = self._center_scale(rows)
+                centers.append(middle)
+                scales.append(unit)
+            center, scale = np.concatenate(centers), np.concatenate(scales)
+        points = series[first:]
+        return self._adjust(standardise(points, center, scale), points, center)
+
+    def _score_z(self, z: float) -> float:
+        return self.calib.score(directed_one(z, self.direction))
 
     def score(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
         scores = np.zeros(len(values))
-        finite = np.isfinite(values)
-        if len(self.history) >= self.warmup and finite.any():
-            z = self._z_rows(self._transform(values[finite]), np.asarray(self.history)[None, :])
-            scores[finite] = [self._score_z(v, self.calib) for v in z.tolist()]
+        if len(self.history) < self.warmup:
+            return scores
+        history = np.asarray(self.history)
+        for i in np.flatnonzero(np.isfinite(values)).tolist():
+            series = np.r_[history, self._transform(values[i : i + 1])]
+            scores[i] = self._score_z(float(self._z_stretch(series, len(history))[0]))
         return scores
 
     def learn(self, values: np.ndarray) -> None:
@@ -129,7 +175,7 @@ class RobustSpike(Detector):
 
     def _learn_z(self, z: float, score: float) -> bool:
         """Fold one post-warm-up z into the tail model and the shift run; True if the level changed."""
-        magnitude = float(directed(np.array([z]), self.direction)[0])
+        magnitude = directed_one(z, self.direction)
         if score >= self.threshold:
             magnitude = min(magnitude, self.calib.quantile(1.0 - self.threshold))
         self.calib.learn(magnitude)  # as TailModel.update does, with the score already known
@@ -141,39 +187,53 @@ class RobustSpike(Detector):
         return bool(self.rebase) and abs(self.run) >= self.rebase
 
     def update(self, values: np.ndarray) -> np.ndarray:
-        # The z of every point of a stretch without a level change is known up front (history grows
-        # by the finite points whatever their scores), so a stretch is scored in one numpy pass;
-        # only the tail model and the shift test go point by point.
+        # Within a stretch (no level change, no period check) every point's z is known up front,
+        # since the history grows by the finite points whatever their scores: one numpy pass per
+        # stretch, and only the tail model and the shift test go point by point.
         values = np.asarray(values, dtype=np.float64)
         finite = np.flatnonzero(np.isfinite(values))
         points = self._transform(values[finite])
         scores = np.zeros(len(values))
         done = 0
         while done < len(points):
-            series = np.r_[self.history, points[done:]]
+            # A stretch ends where the period is checked again (every PERIOD_EVERY learned points).
+            stop = min(len(points), done + PERIOD_EVERY - self.seen % PERIOD_EVERY)
+            series = np.r_[self.history, points[done:stop]]
             start = len(self.history)
             first = max(start, self.warmup)
-            z = np.full(len(points) - done, np.nan)
-            at = first - start
-            for rows in trailing_windows(series, self.window, first):
-                z[at : at + len(rows)] = self._z_rows(series[start + at : start + at + len(rows)], rows)
-                at += len(rows)
+            z = np.full(stop - done, np.nan)
+            if first < len(series):
+                z[first - start :] = self._z_stretch(series, first)
             rebased = None
             for i, zi in enumerate(z.tolist()):
-                if zi != zi:  # warm-up
-                    continue
-                s = self._score_z(zi, self.calib)
-                scores[finite[done + i]] = s
-                if self._learn_z(zi, s):
-                    rebased = i
-                    break
+                if zi == zi:  # not warm-up
+                    s = self._score_z(zi)
+                    scores[finite[done + i]] = s
+                    if self._learn_z(zi, s):
+                        rebased = i
+                        break
             if rebased is None:
-                self.history = series[-self.window :].tolist()
-                break
-            # The level changed: restart the window on the points since the change began.
-            upto = done + rebased + 1
-            self.history = points[upto - abs(self.run) : upto].tolist()
-            self.run, done = 0, upto
+                self.history = series[-self.span :].tolist()
+                self.seen += stop - done
+                done = stop
+            else:
+                # The level changed: move the past to the new level (the median of the points
+                # since the change began, against the median of the window before them), so the
+                # rolling statistics and the recurring shape carry on from there.
+                upto = done + rebased + 1
+                run = abs(self.run)
+                before = series[: start + upto - done - run]
+                new = points[upto - run : upto]
+                delta = float(np.median(new) - np.median(before[-self.window :])) if len(before) else 0.0
+                self.history = np.r_[before + delta, new][-self.span :].tolist()
+                self.seen += upto - done
+                self.run, done = 0, upto
+            if self.max_period and self.seen % PERIOD_EVERY == 0:
+                period = detect_period(np.asarray(self.history), self.window, self.max_period)
+                if abs(period - self.period) > 0.1 * max(period, self.period):
+                    # Another model of the series: its z follow another law, learned afresh.
+                    self.calib = TailModel(prior_counts(half_normal_sf, PRIOR_WEIGHT), memory=self.memory)
+                self.period = period
         return scores
 
     def state_dict(self) -> dict[str, Any]:
@@ -186,7 +246,10 @@ class RobustSpike(Detector):
             "tail": self.tail,
             "memory": self.memory,
             "rebase": self.rebase,
+            "max_period": self.max_period,
             "history": list(self.history),
             "calib": self.calib.state(),
             "run": self.run,
+            "period": self.period,
+            "seen": self.seen,
         }

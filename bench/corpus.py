@@ -1,0 +1,125 @@
+"""Issue 18's bench: the default detector and rules on a varied corpus, tuning part beside held-out part.
+
+1. NAB standard score (``nab_score``'s scorer) of the default series detector (``ensemble``) and
+   of its members, on the generated and real streams of ``bench/data/corpus`` (made by
+   ``bench/data/make_corpus.py``): NAB, recall, false positives per 10,000 scored rows of clean
+   series, and the mean delay in rows, for the tuning part and the held-out part side by side.
+2. False alerts per 10,000 clean rank-steps of the default rules on real clean training runs
+   (``bench/corpus_runs.py``: a CPU torch loop through the real ``TrainerHook`` with eval pauses,
+   checkpoints, epochs, warm-up, step decay, accumulation, a memory sawtooth, loader hiccups),
+   replayed through both stages as the worker runs them (``scenario_replay``). Every alert there
+   is false.
+
+The fault scenarios' recall and delays are ``bench/scenarios.py`` (run it with ``--first-seed``
+on seeds not used for tuning).
+
+    python bench/corpus.py            # records the clean runs on first use (~2 min), then ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from corpus_runs import HOLDOUT_SEED, RUNS, record  # noqa: E402
+from nab_score import Series, Tally, sweep  # noqa: E402
+from scenario_replay import replay  # noqa: E402
+from scenario_runs import read_batches  # noqa: E402
+
+from rankwatch.stream_processors.detectors import build  # noqa: E402
+from rankwatch.stream_processors.rules import default_rules  # noqa: E402
+
+CORPUS = HERE / "data" / "corpus"
+RECORDINGS = HERE / "data" / "corpus_runs"
+DETECTORS = ("ensemble", "spike", "cusum", "ewma")
+
+
+def load(split: str) -> list[Series]:
+    out = []
+    for path in sorted((CORPUS / split).glob("*.csv")):
+        with path.open() as f:
+            rows = list(csv.DictReader(f))
+        out.append(Series(split, path.stem, np.array([float(r["value"]) for r in rows]),
+                          np.array([int(r["label"]) for r in rows])))
+    return out
+
+
+def nab_table(splits: dict[str, list[Series]], names=DETECTORS) -> dict:
+    head = f"{'NAB':>6s} {'recall':>6s} {'FP/10k':>7s} {'delay':>6s}"
+    print(f"{'detector':10s} | {'tune':^28s} | {'held-out':^28s}")
+    print(f"{'':10s} | {head} | {head}")
+    results = {}
+    for name in names:
+        cells = []
+        for split, items in splits.items():
+            tally, clean = Tally(), Tally()
+            for s in items:
+                d = build(name)
+                flags = d.decide(d.update(s.values))
+                sw = sweep(s.labels)
+                tally.add(sw, flags)
+                if not sw.n_windows:
+                    clean.add(sw, flags)
+            recall = tally.detected / tally.windows if tally.windows else float("nan")
+            fp = 1e4 * clean.fp_rows / max(clean.rows, 1)
+            delay = float(np.mean(tally.delays)) if tally.delays else float("nan")
+            results[(name, split)] = {"nab": tally.nab(), "recall": recall, "fp_per_10k": fp, "delay": delay}
+            cells.append(f"{tally.nab():6.1f} {recall:6.2f} {fp:7.1f} {delay:6.1f}")
+        print(f"{name:10s} | " + " | ".join(cells), flush=True)
+    return results
+
+
+def clean_runs(rules=None) -> dict[str, dict]:
+    """False alerts of the default rules on the recorded clean runs, per part."""
+    rules = rules or default_rules()
+    out = {"tune": {"alerts": [], "rank_steps": 0}, "holdout": {"alerts": [], "rank_steps": 0}}
+    for run in RUNS:
+        path = record(run, RECORDINGS)
+        batches = [b for r in range(run.ranks) for b in read_batches(path / f"rank{r}.bin")]
+        steps = {int(s) for b in batches for series in b.series.values() for s in series.steps}
+        part = out["tune" if run.seed < HOLDOUT_SEED else "holdout"]
+        part["rank_steps"] += run.ranks * len(steps)
+        seen = set()
+        for e in replay(batches, rules, run.name):
+            a = e.alert
+            if a.status == "firing" and (a.key, a.incident) not in seen:
+                seen.add((a.key, a.incident))
+                part["alerts"].append(f"{run.name}: {a.detector}/{a.metric} ranks {list(a.ranks)} step {a.step}")
+    for split, part in out.items():
+        rate = 1e4 * len(part["alerts"]) / max(part["rank_steps"], 1)
+        print(f"{split:8s}: {len(part['alerts'])} false alerts in {part['rank_steps']} clean rank-steps "
+              f"= {rate:.1f} per 10k (goal <= 1)")
+        for line in part["alerts"]:
+            print(f"    {line}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("nab", "runs"), help="one table")
+    args = parser.parse_args(argv)
+    if not (CORPUS / "holdout").exists():
+        subprocess.run([sys.executable, str(HERE / "data" / "make_corpus.py")], check=True)
+    if args.only in (None, "nab"):
+        splits = {split: load(split) for split in ("tune", "holdout")}
+        for split, items in splits.items():
+            windows = sum(sweep(s.labels).n_windows for s in items)
+            print(f"{split}: {len(items)} series, {sum(len(s.values) for s in items)} rows, {windows} scored windows")
+        print("\nNAB standard profile, default parameters and thresholds (FP/10k: on the clean series):")
+        nab_table(splits)
+    if args.only in (None, "runs"):
+        print("\nDefault rules on clean recorded training runs (every alert is false):")
+        clean_runs()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
