@@ -176,6 +176,12 @@ class RankPublisher:
             return
         self._queue.append((step, dict(metrics)))
         self._logged += 1
+        # A NaN or inf is sent at once: wake the sender now rather than at its next poll (up to 0.1 s).
+        # Only plain floats are checked here (x != x is NaN; inf - inf is NaN): a tensor would need a sync.
+        for value in metrics.values():
+            if type(value) is float and (value - value) != 0.0:
+                self._wake.set()
+                break
 
     def defer(self, build: Callable[..., tuple[int, Mapping[str, Any]]], *args: Any) -> None:
         """Queue a point that the sender thread works out, in logging order: ``build(*args)`` returns

@@ -8,15 +8,27 @@ import time
 import faust
 
 from rankwatch import contract
-from rankwatch.contract import RankProgress, RankSignal, TelemetryBatch, decode_run_event
+from rankwatch.contract import ProgressBatch, RankSignal, TelemetryBatch, decode_run_event
 from rankwatch.settings import Settings
+from rankwatch.stream_processors.batching import process_batch
 from rankwatch.stream_processors.grouping import Grouper, RunGroups
-from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
+from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher
 from rankwatch.stream_processors.topics import dead_letterer, decoded, encoded, raw_topic, send_all
 
 log = logging.getLogger(__name__)
+
+# Stage 1 takes telemetry in batches (issue 16): per-message costs (Faust's per-event work, a state
+# write, a progress event) dominate at cluster scale. A batch is sent after TAKE_WITHIN_S, or at once
+# when TAKE_MAX messages are waiting, so it adds at most TAKE_WITHIN_S to an alert's latency.
+TAKE_MAX = 1000
+TAKE_WITHIN_S = 0.02
+
+
+async def _each(items):
+    for item in items:
+        yield item
 
 
 def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> None:
@@ -27,7 +39,9 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     out_topics = {contract.ALERTS: alerts, contract.REPORTS: reports, contract.RUN_EVENTS: run_events}
     rules = Rules.load(settings.rules or None)
     # Stage 1: one value per (run, rank), keyed like the telemetry topic, so each key has one writer.
-    rank_state = app.Table("rank-state", default=None)
+    # Written inside stream.take, which needs the partitioner (Tansu note 9); bytes keys, as on the
+    # telemetry topic, put each rank's state on its stream's partition.
+    rank_state = app.Table("rank-state", default=None, key_type=bytes, use_partitioner=True)
     # Stage 2: one value per run. Bytes keys + the partitioner put each run's state on the partition
     # its run-events go to, which the group-wait timer needs (it writes outside stream iteration).
     run_state = app.Table("run-state", default=None, key_type=bytes, use_partitioner=True)
@@ -41,29 +55,17 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
 
     @app.agent(telemetry, name="telemetry")
     async def process_telemetry(stream):
-        async for event, batch in decoded(stream.events(), TelemetryBatch.from_bytes, dead_letter, "telemetry"):
-            try:
-                key = batch.key.decode()
-                state = rank_state.get(key)
-                state = state if isinstance(state, RankState) else RankState.from_dict(state)
-                if processor.is_replay(state, batch):
-                    continue
-                out = processor.process(state, batch, time.time())
-                signals = [RankSignal(alert=alert, world_size=batch.world_size) for alert in out.alerts]
-                progress = []
-                if out.last_step is not None or batch.final:
-                    progress.append(RankProgress(
-                        run=batch.run, rank=batch.rank, world_size=batch.world_size,
-                        last_step=-1 if out.last_step is None else out.last_step, ts=batch.ts,
-                        series=out.cross_rank, final=batch.final))
-                messages = encoded(*signals, *progress, *out.rollups)
-            except Exception as exc:  # a bug must not stop the worker; the message is kept
-                log.exception("processing %s[%d]@%d failed", event.message.topic, event.message.partition,
-                              event.message.offset)
+        async for events in stream.take_events(TAKE_MAX, within=TAKE_WITHIN_S):
+            good = [(e, b) async for e, b in decoded(_each(events), TelemetryBatch.from_bytes, dead_letter, "telemetry")]
+            out = process_batch(processor, [b for _, b in good], lambda key: rank_state.get(key.encode()), time.time())
+            for index, exc in out.failed:  # a bug must not stop the worker; the message is kept
+                event = good[index][0]
+                log.error("processing %s[%d]@%d failed", event.message.topic, event.message.partition,
+                          event.message.offset, exc_info=exc)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
-                continue
-            rank_state[key] = state
-            await send_all(out_topics, messages)
+            for key, state in out.states.items():  # once per rank per batch; Faust flushes before it commits
+                rank_state[key.encode()] = state
+            await send_all(out_topics, out.messages)
 
     async def publish(alerts_due) -> None:
         await send_all(out_topics, encoded(*alerts_due))
@@ -83,10 +85,12 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                 if isinstance(item, RankSignal):
                     due = grouper.add(state, item, now)
                 else:
-                    due = grouper.progress(state, item.rank, item.last_step, item.world_size, now)
+                    due = []
                     watch = watches.setdefault(item.key, RunWatch(run=item.run))
-                    for alert in watcher.observe(watch, item, now):
-                        due += grouper.add(state, RankSignal(alert=alert, world_size=item.world_size), now)
+                    for p in item.items if isinstance(item, ProgressBatch) else (item,):
+                        due += grouper.progress(state, p.rank, p.last_step, p.world_size, now)
+                        for alert in watcher.observe(watch, p, now):
+                            due += grouper.add(state, RankSignal(alert=alert, world_size=p.world_size), now)
                 messages = encoded(*due)
             except Exception as exc:  # a bug must not stop the worker; the message is kept
                 log.exception("grouping run event %s[%d]@%d failed", event.message.topic, event.message.partition,
