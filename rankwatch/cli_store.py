@@ -55,7 +55,8 @@ def cmd_store(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, _like_ctrl_c)  # a Stack stops us with SIGTERM: finish the batch first
     try:
         with _until_ctrl_c() as pressed:
-            sink.run(follow=not args.once, stop=lambda: pressed() or orphaned())
+            # Stopped (Ctrl-C, or a Stack's SIGTERM after its workers): store what they sent last, 10 s at most.
+            sink.run(follow=not args.once, stop=lambda: pressed() or orphaned(), drain_s=10.0)
     finally:
         store.close()
     print(f"stored {sink.written} messages", file=sys.stderr)

@@ -163,12 +163,12 @@ class Stack:
                     raise RankwatchError(f"worker {w.index} {why}; its last output:\n" + "\n".join(w.tail))
 
     def stop(self) -> None:
-        if self.store is not None:
-            self.store.stop()
-            self.store = None
         for w in self.workers:
             w.stop()
         self.workers = []
+        if self.store is not None:  # after the workers: it stores what they sent last, then stops
+            self.store.stop()
+            self.store = None
         if self.broker:
             self.broker.stop()
             self.broker = None

@@ -13,6 +13,7 @@ A broker that lost its topics (the embedded one keeps nothing across a restart) 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -36,7 +37,9 @@ class StoreSink:
         self.written = 0
 
     def run(self, *, follow: bool = True, stop: Callable[[], bool] | None = None,
-            stop_after_s: float | None = None) -> None:
+            stop_after_s: float | None = None, drain_s: float = 0.0) -> None:
+        """``stop()`` ends a following run; with ``drain_s`` it first stores what is on the topics by then
+        (for at most that long): what the workers sent last before a Stack stopped them."""
         consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
             fetch_max_wait_ms=100, client_id="rankwatch-store", allow_auto_create_topics=False,
@@ -44,7 +47,13 @@ class StoreSink:
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
 
         def more() -> bool:
-            return (deadline is None or time.monotonic() < deadline) and not (stop is not None and stop())
+            nonlocal follow, deadline, stop
+            if stop is not None and stop():
+                if not (follow and drain_s > 0):
+                    return False
+                follow, stop = False, None  # read up to the end once, then return
+                deadline = min(deadline or math.inf, time.monotonic() + drain_s)
+            return deadline is None or time.monotonic() < deadline
 
         try:
             assigned: list[TopicPartition] = []

@@ -109,3 +109,25 @@ def test_report_without_a_store_says_how_to_get_one(tmp_path, capsys):
 
 def test_alert_key_type():  # the helpers above send alerts keyed by their condition
     assert isinstance(Alert.make_key("r", "d", "m"), str) and contract.ALERTS == "rankwatch.alerts"
+
+
+def test_after_the_stack_stops_report_answers_with_what_the_workers_sent_last(tmp_path, capsys):
+    from rankwatch.broker import free_port
+    from rankwatch.settings import Settings
+    from rankwatch.stack import Stack
+
+    run = "stopped-broker"
+    settings = Settings(data_dir=str(tmp_path), rollup_steps=10)
+    with Stack(settings, embedded=True, port=free_port()) as stack:
+        _send(stack.bootstrap, *[_telemetry(run, rank, range(0, 15), final=True, seq=0) for rank in (0, 1)],
+              report(run=run))
+        time.sleep(2.0)  # the workers have the telemetry; their rollups may still be on the way
+        t = time.monotonic()
+    assert time.monotonic() - t < 30  # the store drains, then stops: bounded
+    # The broker is gone; the store answers.
+    assert main(["report", "--run", run, "--json", "--store", str(tmp_path / "store.db")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["eval_id"] for r in out["eval_reports"]] == ["e1"]
+    windows = {(r["rank"], r["start_step"]): r for r in out["rollups"]}
+    assert {(0, 0), (0, 10), (1, 0), (1, 10), (None, 0), (None, 10)} <= set(windows)
+    assert windows[(None, 10)]["count"] == 10 and isinstance(windows[(None, 10)]["p95"], float)

@@ -101,6 +101,7 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
             print(f"  {_describe(report)}")
     print(f"\nsummary: {len(seen)} alert transitions ({dict(by_severity)}) in {time.monotonic() - started:.1f}s; "
           f"ranks exited {codes}")
+    print(f"stored in the report store: rankwatch report --run {run}  (rollups, eval reports, alerts)")
     if expected.is_set():
         print(f"OK: the injected NaN (rank {nan_rank}, step {nan_step}) was detected")
         return 0
