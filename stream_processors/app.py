@@ -20,6 +20,7 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
     from rankwatch.stream_processors import (  # flows import the app's topics; keep make_app importable alone
         eval_flows,
         flows,
+        tables,
     )
 
     extra = {}
@@ -42,6 +43,7 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_linger=0.005,
+        Table=tables.Table,  # tracks its changelog in the producer's metadata (Apache Kafka needs it)
         **extra,
     )
     flows.register(app, settings, outages=outages or OutageClock())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiokafka
 import pytest
 from faust.types import TP
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -12,6 +13,7 @@ from rankwatch.admin import detect_flavor
 from rankwatch.stack import READY_LINE
 from rankwatch.stream_processors import tansu
 from rankwatch.stream_processors.app import make_app
+from rankwatch.stream_processors.tables import track_topic
 
 pytestmark = [pytest.mark.broker, pytest.mark.both_brokers]
 
@@ -49,3 +51,34 @@ def test_end_offsets_are_the_true_ones_on_kafka_and_need_the_workaround_on_tansu
     # The workaround (used by the tansu transport only) reads the Fetch high watermark: right on both.
     fixed = asyncio.run(tansu.true_end_offsets(bootstrap, {TP(topic, 0): reported}))
     assert fixed[TP(topic, 0)] == 5
+
+
+def test_a_tracked_topic_stays_in_the_producers_metadata_where_a_refresh_drops_the_others(bootstrap, broker_kind,
+                                                                                          run_id):
+    """Why tables.Table tracks its changelog: once a producer has sent to a topic, each metadata refresh
+    asks for the topics it sent to only and the producer forgets the rest, such as the changelog whose
+    partitions a table's eager partitioning reads from that cache. Apache Kafka answers just the topics
+    asked for; so did Tansu in this test, though a worker on Tansu was never seen to hit it."""
+    sent, other, tracked = (f"{name}-{run_id}" for name in ("sent", "other", "tracked"))
+
+    async def partitions_known_after_a_refresh() -> dict[str, bool]:
+        producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        try:
+            for topic in (sent, other, tracked):  # create all three; a new producer's first refresh sees all
+                await producer.send_and_wait(topic, b"x")
+            await producer.stop()
+            producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap)
+            await producer.start()
+            await track_topic(producer, tracked)
+            await producer.send_and_wait(sent, b"y")
+            await producer.client.force_metadata_update()
+            return {topic: producer.client.cluster.partitions_for_topic(topic) is not None
+                    for topic in (sent, other, tracked)}
+        finally:
+            await producer.stop()
+
+    known = asyncio.run(partitions_known_after_a_refresh())
+    assert known[sent] and known[tracked], known
+    if broker_kind == "kafka":
+        assert not known[other], "Apache Kafka answered a topic the refresh did not ask for"

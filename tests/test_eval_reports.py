@@ -35,16 +35,6 @@ def eval_stack(tmp_path_factory, broker_kind) -> Stack:
         yield running
 
 
-@pytest.fixture(autouse=True)
-def _kafka_changelog_metadata_gap(request, broker_kind):
-    """On Apache Kafka a worker's eval agent can crash on a table write: faust 0.15's
-    ``Producer.key_partition`` reads the changelog's partitions from aiokafka producer metadata that
-    holds only topics it has sent to (``TypeError: 'NoneType' object is not iterable``); Tansu answers
-    metadata for every topic, which hides it. Seen on most runs here; the fix is open (issue 19)."""
-    if broker_kind == "kafka":
-        request.applymarker(pytest.mark.xfail(reason="faust key_partition metadata gap on Apache Kafka", strict=False))
-
-
 @pytest.fixture(scope="module")
 def eval_bootstrap(eval_stack) -> str:
     return eval_stack.bootstrap
