@@ -16,6 +16,7 @@ from rankwatch.stream_processors.detectors import (
     Cusum,
     Ensemble,
     EwmaResidual,
+    Explode,
     NonFinite,
     PageHinkley,
     Plateau,
@@ -44,6 +45,7 @@ CASES = {
     # recent=1 makes the "recent level" the point itself, so one point can be a collapse.
     Collapse: (lambda: Collapse(recent=1, reference=20), Data(normal=_noise(), spike=0.1)),
     Blowup: (lambda: Blowup(window=32, warmup=16), Data(normal=np.exp(_rng.normal(-4.0, 0.3, 200)), spike=5.0)),
+    Explode: (lambda: Explode(), Data(normal=np.exp(_rng.normal(0.0, 0.3, 200)), spike=1e4)),
     CrossRank: (lambda: CrossRank(warmup=8), Data(normal=_rng.normal(1.0, 0.01, (60, 8)), spike=5.0, rank=3)),
     Stall: (lambda: Stall(), Data(normal=np.abs(_rng.normal(1.0, 0.05, 200)), spike=30.0)),
     Ensemble: (
@@ -453,3 +455,24 @@ def test_ensemble_members_are_configurable_and_validated():
     for bad in ([], [["crossrank", {}]], [["spike"]], ["nope"]):
         with pytest.raises(ValueError):
             Ensemble(members=bad)
+
+
+# --- Explode -------------------------------------------------------------------------------------
+
+
+def test_explode_catches_a_divergence_at_its_first_step_and_stays_firing():
+    # The GPT-2 at lr 30: 7 -> 28,642 at step 2, then about 1e5.
+    loss = np.r_[7.0, 6.9, 28642.0, np.full(50, 1e5)]
+    flags = _flags(Explode(), loss)
+    assert flags == list(range(2, len(loss)))
+    assert _flags(Explode(patience=10), loss)[-1] < len(loss) - 1  # with patience, a lasting scale is learned
+
+
+def test_explode_is_quiet_on_healthy_training_curves_and_sign_changing_losses():
+    rng = np.random.default_rng(3)
+    t = np.arange(5000)
+    loss = (0.3 + 7.0 * np.exp(-t / 300)) * np.exp(rng.normal(0.0, 0.2, 5000))
+    grad = np.where(rng.random(5000) < 0.02, 20.0, 1.0) * np.exp(rng.normal(0.0, 0.5, 5000))
+    rl_loss = rng.normal(0.0, 0.05, 5000)
+    for x in (loss, grad, rl_loss):
+        assert _flags(Explode(), x) == []

@@ -9,8 +9,8 @@ from rankwatch.stream_processors.rules import Rules, RulesError, default_rules
 
 def test_defaults_watch_every_metric_for_nan_and_skip_spikes_on_flags():
     rules = default_rules()
-    assert set(rules.for_metric("loss")) == {"nonfinite", "spike"}
-    assert set(rules.for_metric("ppo_actor/update/grad_norm")) == {"nonfinite", "spike", "blowup"}
+    assert set(rules.for_metric("loss")) == {"nonfinite", "spike", "explode"}
+    assert set(rules.for_metric("ppo_actor/update/grad_norm")) == {"nonfinite", "spike", "blowup", "explode"}
     assert set(rules.for_metric("step_time_s")) == {"nonfinite"}  # one slow step is not a fault
     assert rules.cross_rank_rule("compute_time_s").params["direction"] == "up"
     assert rules.stall is not None and rules.cross_rank_rule("lr") is None

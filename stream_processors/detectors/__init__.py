@@ -17,6 +17,7 @@ from rankwatch.stream_processors.detectors.crossrank import CrossRank
 from rankwatch.stream_processors.detectors.cusum import Cusum
 from rankwatch.stream_processors.detectors.ensemble import Ensemble
 from rankwatch.stream_processors.detectors.ewma import EwmaResidual
+from rankwatch.stream_processors.detectors.explode import Explode
 from rankwatch.stream_processors.detectors.nonfinite import NonFinite
 from rankwatch.stream_processors.detectors.page_hinkley import PageHinkley
 from rankwatch.stream_processors.detectors.spike import RobustSpike
@@ -27,7 +28,7 @@ BY_NAME: dict[str, type[Detector]] = {
     cls.name: cls
     for cls in (
         NonFinite, RobustSpike, EwmaResidual, Cusum, PageHinkley, Trend, Plateau,
-        Collapse, Blowup, CrossRank, Stall, Ensemble,
+        Collapse, Blowup, Explode, CrossRank, Stall, Ensemble,
     )
 }
 
@@ -67,6 +68,7 @@ __all__ = [
     "Detector",
     "Ensemble",
     "EwmaResidual",
+    "Explode",
     "NonFinite",
     "PageHinkley",
     "Plateau",

@@ -11,6 +11,7 @@ from rankwatch.stream_processors.detectors.calibration import THRESHOLD
 from rankwatch.stream_processors.detectors.collapse import Collapse
 from rankwatch.stream_processors.detectors.cusum import Cusum
 from rankwatch.stream_processors.detectors.ewma import EwmaResidual
+from rankwatch.stream_processors.detectors.explode import Explode
 from rankwatch.stream_processors.detectors.nonfinite import NonFinite
 from rankwatch.stream_processors.detectors.page_hinkley import PageHinkley
 from rankwatch.stream_processors.detectors.spike import RobustSpike
@@ -20,7 +21,7 @@ from rankwatch.stream_processors.detectors.trend import Plateau, Trend
 #: Detectors an ensemble can hold: those that score one series.
 MEMBERS: dict[str, type[Detector]] = {
     cls.name: cls
-    for cls in (NonFinite, RobustSpike, EwmaResidual, Cusum, PageHinkley, Trend, Plateau, Collapse, Blowup, Stall)
+    for cls in (NonFinite, RobustSpike, EwmaResidual, Cusum, PageHinkley, Trend, Plateau, Collapse, Blowup, Explode, Stall)
 }
 
 #: The general-purpose default: non-finite values at once, spikes and shifts against a rolling (or
