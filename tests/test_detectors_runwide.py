@@ -155,3 +155,36 @@ def test_stall_state_round_trips_with_its_ranks():
     _beat(d, range(3), 0.0, 20)
     back = Stall.from_state(json.loads(json.dumps(d.state_dict())))
     assert back.check(now=60.0) == d.check(now=60.0) and back.check(now=60.0)
+
+
+# --- stragglers stay named while they are slow (issue 18) -----------------------------------------
+
+
+def _rule_detector(metric: str):
+    from rankwatch.stream_processors.rules import default_rules
+
+    return default_rules().cross_rank_rule(metric).build()
+
+
+def test_a_two_rank_straggler_stays_firing_while_it_is_slower_than_its_peer():
+    # Plain DDP, rank 1 slowed by 200 ms per step from step 80 (compute 239 ms against 37 ms).
+    rng = np.random.default_rng(18)
+    compute = rng.normal(0.037, 0.003, (200, 2))
+    compute[80:170, 1] += 0.2
+    d = _rule_detector("compute_time_s")
+    flagged = d.decide(d.update(compute))
+    assert flagged[80:83, 1].any()  # named within 3 steps
+    assert flagged[83:170, 1].all()  # and for as long as it is slow
+    assert not flagged[:, 0].any() and not flagged[:78, 1].any()
+    assert not flagged[185:, 1].any()  # back to normal once it recovers
+
+
+def test_a_slowdown_that_shows_as_the_peers_collective_wait_is_named():
+    # A 50 ms slowdown (85 -> 110 ms) on rank 1: rank 0's wait in the all-reduce rises 10 -> 57 ms.
+    rng = np.random.default_rng(19)
+    wait = np.abs(rng.normal(0.010, 0.002, (200, 2)))
+    wait[80:, 0] = rng.normal(0.057, 0.004, 120)
+    d = _rule_detector("collective_time_s")
+    flagged = d.decide(d.update(wait))
+    assert flagged[80:83, 1].any() and flagged[83:, 1].all()
+    assert not flagged[:, 0].any() and not flagged[:80].any()

@@ -53,6 +53,13 @@ class CrossRank(Detector):
     straggler. ``direction="up"`` suits step time (only slow ranks are stragglers); "both" suits
     loss and grad norm (a diverging rank goes either way).
 
+    A flagged rank is not learned (nor is the step's spread): a straggler stays firing for as long
+    as it is slower than its peers, judged against its healthy past, instead of becoming its own
+    new normal. With ``wait=True`` (and ``direction="down"``) the values are time spent waiting
+    for the other ranks in collectives (``collective_time_s``): the rank that waits least is the
+    one the others wait for, and with two ranks the evidence is its peer's wait growing, since its
+    own did not change.
+
     Scoring 1,024 ranks costs two medians of 1,024 values per step; up to 64 ranks, one median
     per rank of the others.
 
@@ -83,6 +90,7 @@ class CrossRank(Detector):
         direction: str = "both",
         cusum_k: float = 0.0,
         cusum_h: float = 10.0,
+        wait: bool = False,
         steps: int = 0,
         spread: float = 0.0,
         rank_mean: Sequence[float] = (),
@@ -102,6 +110,9 @@ class CrossRank(Detector):
         self.warmup, self.alpha, self.z_scale, self.threshold = warmup, alpha, z_scale, threshold
         self.clip, self.min_rel, self.min_scale, self.direction = clip, min_rel, min_scale, direction
         self.cusum_k, self.cusum_h = float(cusum_k), float(cusum_h)
+        if wait and direction != "down":
+            raise ValueError('wait=true blames the rank that waits least: use direction = "down"')
+        self.wait = bool(wait)
         self.steps, self.spread = int(steps), float(spread)
         self.rank_mean = np.array(rank_mean, dtype=np.float64)
         self.rank_dev = np.array(rank_dev, dtype=np.float64)
@@ -142,7 +153,11 @@ class CrossRank(Detector):
         unit = np.maximum(np.maximum(sigma, max(self.spread, self.min_scale)), self.min_rel * np.abs(centre))
         found = directed(standardise(finite, centre, unit), self.direction)
         if len(finite) == 2:
-            found = np.minimum(found, directed(self._self_z(row)[ok], self.direction))
+            own = self._self_z(row)[ok]
+            # A wait is caused by the other rank: evidence that this one is slow is that its peer
+            # now waits longer than it used to, not that this one changed.
+            evidence = -own[::-1] if self.wait else own
+            found = np.minimum(found, directed(evidence, self.direction))
         magnitude[ok] = found
         return magnitude
 
@@ -185,10 +200,13 @@ class CrossRank(Detector):
             self.rank_mean, self.rank_dev, self.rank_sum = np.zeros(n), np.zeros(n), np.zeros(n)
             self.rank_seen = np.zeros(n, dtype=np.int64)
 
-    def _learn_row(self, row: np.ndarray) -> None:
+    def _learn_row(self, row: np.ndarray, flagged: np.ndarray | None = None) -> None:
+        # Flagged ranks are judged against the healthy past: a straggler that stays slow must not
+        # become its own new normal, nor widen the typical spread it is measured with.
+        flagged = np.zeros(len(row), dtype=bool) if flagged is None else flagged
         ok = np.isfinite(row)
         finite = row[ok]
-        if len(finite) >= 2:
+        if len(finite) >= 2 and not flagged.any():
             median = float(median_rows(finite[None, :])[0])
             sigma = self._step_sigma(finite, median)
             if self.steps >= self.warmup and self.spread > 0:
@@ -196,7 +214,10 @@ class CrossRank(Detector):
             weight = max(self.alpha, 1.0 / (self.steps + 1))
             self.spread += weight * (sigma - self.spread)
             self.steps += 1
-        # Per-rank running level and deviation, Huber-clipped once a rank has history.
+        # Per-rank running level and deviation, Huber-clipped once a rank has history. While any rank
+        # is flagged none is learned: with two ranks each one's own past is the other's evidence.
+        if flagged.any():
+            return
         seen = self.rank_seen[ok]
         mean, dev = self.rank_mean[ok], self.rank_dev[ok]
         resid = np.where(seen > 0, finite - mean, 0.0)
@@ -217,7 +238,7 @@ class CrossRank(Detector):
         for i, row in enumerate(rows):
             self._resize(len(row))
             out[i] = self._score_row(row, commit=True)
-            self._learn_row(row)
+            self._learn_row(row, out[i] >= self.threshold)
         return out if np.ndim(values) == 2 else out[0]
 
     def state_dict(self) -> dict[str, Any]:
@@ -232,6 +253,7 @@ class CrossRank(Detector):
             "direction": self.direction,
             "cusum_k": self.cusum_k,
             "cusum_h": self.cusum_h,
+            "wait": self.wait,
             "steps": self.steps,
             "spread": self.spread,
             "rank_mean": self.rank_mean.tolist(),
