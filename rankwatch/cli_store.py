@@ -17,7 +17,7 @@ from rankwatch.contract.codec import encode_tree
 from rankwatch.errors import RankwatchError
 from rankwatch.settings import Settings
 
-READY_LINE = "rankwatch store ready"  # a Stack's store process prints it once it reads the topics
+READY_LINE = "rankwatch store ready"  # the Stack waits for it (rankwatch.stack.STORE_READY_LINE)
 
 
 def _settings(args: argparse.Namespace) -> Settings:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from rankwatch.errors import RankwatchError
 from rankwatch.settings import Settings
 
 READY_LINE = "rankwatch worker ready"  # printed by rankwatch.stream_processors.worker; kept in sync by a test
+STORE_READY_LINE = "rankwatch store ready"  # printed by `rankwatch store` (rankwatch.cli_store.READY_LINE)
 PARENT_ENV = "RANKWATCH_PARENT_PID"  # a worker started by a Stack stops when this process is gone
 
 
@@ -69,11 +71,26 @@ class StoreProcess:
     def __init__(self, settings: Settings, *, env: dict[str, str]):
         log_path = Path(settings.data_dir) / "store.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path, self.started_at = log_path, log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rankwatch", "store", "--bootstrap", settings.bootstrap],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
             )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until the store process has opened its database (so a query right after start finds it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with open(self.log_path, "rb") as log:
+                log.seek(self.started_at)
+                output = log.read().decode("utf-8", "replace")
+            if STORE_READY_LINE in output:
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = f"exited with code {self.proc.returncode}" if self.proc.poll() is not None else "was not ready"
+                raise RankwatchError(f"the report store {why}; its output ({self.log_path}):\n{output[-2000:]}")
+            time.sleep(0.1)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.proc.poll() is None:
@@ -141,6 +158,7 @@ class Stack:
         if self.with_store:
             env = dict(os.environ, **self.settings.to_env(), **{PARENT_ENV: str(os.getpid())})
             self.store = StoreProcess(self.settings, env=env)
+            self.store.wait_ready(self.ready_timeout_s)
 
     def start_workers(self) -> None:
         env = dict(os.environ, **self.settings.to_env(), **{PARENT_ENV: str(os.getpid())})
