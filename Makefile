@@ -29,7 +29,7 @@ install: $(BIN)/rankwatch $(KAFKA_JAR)
 demo: install
 	$(BIN)/rankwatch demo
 
-test: install postgres-server alertmanager
+test: install postgres-server alertmanager chromium
 	$(BIN)/python -m pytest -q
 
 # The report store's tests start a throwaway PostgreSQL server from Debian's package (tests/pgserver.py).
@@ -47,6 +47,14 @@ alertmanager:
 	    && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    echo "installing Alertmanager for the Alertmanager tests"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus-alertmanager >/dev/null; \
+	fi
+
+# tests/test_html_report.py renders the HTML report in headless Chromium from Debian's package; installed the same way.
+chromium:
+	@if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+	    && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Chromium for the HTML report tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	fi
 
 clean:

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from rankwatch import cli_report
 from rankwatch.contract.codec import encode_tree
 from rankwatch.errors import RankwatchError
 from rankwatch.settings import Settings
@@ -68,6 +69,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rankwatch.sinks.store_query import Filters, parse_since, parse_steps
     from rankwatch.sinks.store_table import alert_rows, eval_rows, format_rows, rollup_rows
 
+    if cli_report.wants(args):  # --html / --compare: pictures, in cli_report
+        return cli_report.run(args, _open_for_reading(_settings(args)))
     try:
         f = Filters(metric=args.metric, rank=_rank(args.rank), steps=parse_steps(args.steps) if args.steps else
                     (None, None), since=parse_since(args.since) if args.since else None, limit=args.limit)
@@ -177,6 +180,7 @@ def add_commands(add, bootstrap) -> None:
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON object: eval_reports, rollups, alerts")
     out.add_argument("--csv", action="store_true", help="CSV of one kind (see --kind)")
+    cli_report.add_options(p)
 
     p = add("serve", cmd_serve, "Serve the report store read-only over HTTP (JSON, /openapi.json, /metrics).")
     store_option(p)

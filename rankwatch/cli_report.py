@@ -1,0 +1,35 @@
+"""``rankwatch report``'s pictures: ``--html PATH`` for one run, ``--compare R1 R2 …`` for several.
+
+Kept beside ``cli_store.py`` (which owns ``report``'s table, JSON and CSV output) so that file stays about
+querying; ``cli_store.cmd_report`` hands over here when either option is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rankwatch.errors import RankwatchError
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--html", metavar="PATH", help="write one self-contained HTML report (charts, no network)")
+    p.add_argument("--heatmap-metric", metavar="M", help="metric of the rank × step heatmap (default: step time)")
+
+
+def wants(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "html", None))
+
+
+def run(args: argparse.Namespace, queries) -> int:
+    from rankwatch.sinks.html_report import render_run
+
+    if not args.run:
+        raise RankwatchError("--html needs --run R")
+    if not queries.eval_reports(args.run) and not queries.rollups(args.run):
+        raise RankwatchError(f"nothing stored for run {args.run!r}: see `rankwatch runs`")
+    text = render_run(queries, args.run, heatmap_metric=args.heatmap_metric)
+    Path(args.html).write_text(text, encoding="utf-8")
+    print(f"wrote {args.html} ({len(text) // 1024} KiB)", file=sys.stderr)
+    return 0
