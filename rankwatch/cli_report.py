@@ -15,16 +15,21 @@ from rankwatch.errors import RankwatchError
 
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="PATH", help="write one self-contained HTML report (charts, no network)")
+    p.add_argument("--compare", nargs="+", metavar="RUN",
+                   help="compare these runs: eval metrics on one axis, final and best scores with Welch tests, the "
+                        "best on the composite score (text; with --html a page, with --json one object)")
     p.add_argument("--heatmap-metric", metavar="M", help="metric of the rank × step heatmap (default: step time)")
 
 
 def wants(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "html", None))
+    return bool(getattr(args, "html", None) or getattr(args, "compare", None))
 
 
 def run(args: argparse.Namespace, queries) -> int:
     from rankwatch.sinks.html_report import render_run
 
+    if args.compare:
+        return compare(args, queries)
     if not args.run:
         raise RankwatchError("--html needs --run R")
     if not queries.eval_reports(args.run) and not queries.rollups(args.run):
@@ -32,4 +37,26 @@ def run(args: argparse.Namespace, queries) -> int:
     text = render_run(queries, args.run, heatmap_metric=args.heatmap_metric)
     Path(args.html).write_text(text, encoding="utf-8")
     print(f"wrote {args.html} ({len(text) // 1024} KiB)", file=sys.stderr)
+    return 0
+
+
+def compare(args: argparse.Namespace, queries) -> int:
+    import json
+
+    from rankwatch.sinks.compare import format_text, render_compare
+
+    runs = list(dict.fromkeys(([args.run] if args.run else []) + args.compare))
+    if len(runs) < 2:
+        raise RankwatchError("--compare needs two runs or more")
+    missing = [r for r in runs if not queries.eval_reports(r) and not queries.rollups(r)]
+    if missing:
+        raise RankwatchError(f"nothing stored for run(s) {', '.join(missing)}: see `rankwatch runs`")
+    text, result = render_compare(queries, runs)
+    if args.html:
+        Path(args.html).write_text(text, encoding="utf-8")
+        print(f"wrote {args.html} ({len(text) // 1024} KiB)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif not args.html:
+        print(format_text(result))
     return 0

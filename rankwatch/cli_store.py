@@ -71,6 +71,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if cli_report.wants(args):  # --html / --compare: pictures, in cli_report
         return cli_report.run(args, _open_for_reading(_settings(args)))
+    if not args.run:
+        raise RankwatchError("report needs --run R (or --compare R1 R2 …)")
     try:
         f = Filters(metric=args.metric, rank=_rank(args.rank), steps=parse_steps(args.steps) if args.steps else
                     (None, None), since=parse_since(args.since) if args.since else None, limit=args.limit)
@@ -168,7 +170,7 @@ def add_commands(add, bootstrap) -> None:
 
     p = add("report", cmd_report, "A run's eval reports, rollups and alerts, from the report store.")
     store_option(p)
-    p.add_argument("--run", required=True, help="run id")
+    p.add_argument("--run", help="run id (required, except beside --compare)")
     p.add_argument("--kind", choices=["all", "eval", "rollups", "alerts"], default="all",
                    help="what to show (default all; --csv shows one kind, the rollups unless given)")
     p.add_argument("--metric", help="only this metric")
