@@ -10,6 +10,13 @@ resolves, one ``resolved`` alert names every rank the incident touched.
 
 Signals arrive at least once. Each rank's last applied transition is kept, so a replayed signal
 (same or older incident and status) changes nothing and re-emits nothing.
+
+One incident, one page: a NaN reaches loss, grad norm and the weights at one step, and each is
+its own condition. Conditions of a run whose incidents start at the same step (``PAGE_STEPS``)
+join one page: its alert (the key of its first condition, the highest severity
+of all) lists every metric in ``metrics`` and is re-sent as it grows, as it is when ranks join.
+Members that resolve are silent until the last one does; then one ``resolved`` alert closes the
+page.
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ from dataclasses import asdict, dataclass, field, replace
 from rankwatch.contract import Alert, RankSignal
 
 _ORDER = {"firing": 0, "resolved": 1}
+_SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+#: Conditions starting this many steps after a page's first one still belong to it. 0: the same
+#: step only (the hook publishes the weights' statistics with the step whose update made them).
+PAGE_STEPS = 0
 
 
 @dataclass
@@ -42,9 +53,12 @@ class RunGroups:
     # rank -> last step applied by stage 1. Kept in memory only: it changes with every batch of every
     # rank, and after a restart the next batches rebuild it (a group then waits at most group_wait_s).
     progress: dict[str, int] = field(default_factory=dict)
+    # page key -> {"incident", "members", "active", "alert"}: conditions paged together (see the module doc)
+    pages: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, "groups": {k: g.to_dict() for k, g in self.groups.items()}}
+        return {"world_size": self.world_size, "groups": {k: g.to_dict() for k, g in self.groups.items()},
+                "pages": self.pages}
 
     def waiting(self) -> bool:
         return any(g.pending_since is not None for g in self.groups.values())
@@ -55,7 +69,7 @@ class RunGroups:
     def from_dict(cls, d: dict | None) -> RunGroups:
         if not d:
             return cls()
-        return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()})
+        return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()}, pages=d.get("pages", {}))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,16 +100,16 @@ class Grouper:
                 group.pending_since, group.pending_step = now, a.step
             group.pending_step = min(group.pending_step, a.step)
             if len(group.ranks) >= state.world_size or self._all_past(state, group.pending_step):
-                return self._flush(gkey, group, now)
+                return self._flush(state, gkey, group, now)
             return []
         if a.rank not in group.ranks:
             return []
         if len(group.ranks) > 1:
             group.ranks.remove(a.rank)
             return []
-        out = self._flush(gkey, group, now)  # a burst shorter than group_wait still gets reported
+        out = self._flush(state, gkey, group, now)  # a burst shorter than group_wait still gets reported
         group.ranks.clear()
-        out.append(self._alert(gkey, group, Alert.from_dict(group.first), "resolved", a, now))
+        out += self._page_resolved(state, gkey, self._alert(gkey, group, Alert.from_dict(group.first), "resolved", a, now))
         state.groups[gkey] = Group(last_seen=group.last_seen)
         return out
 
@@ -109,7 +123,7 @@ class Grouper:
         out = []
         for gkey, group in state.groups.items():
             if group.pending_since is not None and self._all_past(state, group.pending_step):
-                out += self._flush(gkey, group, now)
+                out += self._flush(state, gkey, group, now)
         return out
 
     @staticmethod
@@ -123,16 +137,64 @@ class Grouper:
         out = []
         for gkey, group in state.groups.items():
             if group.pending_since is not None and now - group.pending_since >= self.group_wait_s:
-                out += self._flush(gkey, group, now)
+                out += self._flush(state, gkey, group, now)
         return out
 
-    def _flush(self, gkey: str, group: Group, now: float) -> list[Alert]:
+    def _flush(self, state: RunGroups, gkey: str, group: Group, now: float) -> list[Alert]:
         group.pending_since = None
         if not set(group.ranks) - set(group.emitted) or group.first is None:
             return []  # nothing new since the last alert of this incident
         group.emitted = sorted(set(group.emitted) | set(group.ranks))
         first = Alert.from_dict(group.first)
-        return [self._alert(gkey, group, first, "firing", first, now)]
+        return self._page(state, gkey, self._alert(gkey, group, first, "firing", first, now))
+
+    @staticmethod
+    def _page(state: RunGroups, gkey: str, alert: Alert) -> list[Alert]:
+        """The page this firing alert opens or joins, as it is to be (re-)sent; [] if unchanged."""
+        page = next((p for p in state.pages.values() if gkey in p["active"]), None)
+        if page is None:
+            page = next((p for p in state.pages.values()
+                         if p["active"] and 0 <= alert.incident - p["incident"] <= PAGE_STEPS), None)
+        if page is None:
+            state.pages[f"{gkey}@{alert.incident}"] = {
+                "incident": alert.incident, "members": [gkey], "active": [gkey], "alert": alert.to_dict(),
+            }
+            return [alert]
+        sent = Alert.from_dict(page["alert"])
+        if gkey not in page["members"]:
+            page["members"].append(gkey)
+        if gkey not in page["active"]:
+            page["active"].append(gkey)
+        metrics = list(dict.fromkeys([*(sent.metrics or (sent.metric,)), alert.metric]))
+        ranks = tuple(sorted(set(sent.ranks) | set(alert.ranks)))
+        severity = max(sent.severity, alert.severity, key=_SEVERITY.__getitem__)
+        if len(metrics) == 1:
+            message = alert.message if sent.key == alert.key else sent.message
+        else:
+            first_message = page.get("message", sent.message)
+            page["message"] = first_message
+            message = f"{len(metrics)} metrics at step {page['incident']} ({', '.join(metrics)}): {first_message}"
+        merged = replace(sent, ranks=ranks, rank=ranks[0] if len(ranks) == 1 else None, severity=severity,
+                         metrics=tuple(metrics) if len(metrics) > 1 else (), message=message, ts=alert.ts,
+                         score=max(sent.score, alert.score))
+        if (merged.ranks, merged.metrics, merged.severity) == (sent.ranks, sent.metrics, sent.severity):
+            return []
+        page["alert"] = merged.to_dict()
+        return [merged]
+
+    @staticmethod
+    def _page_resolved(state: RunGroups, gkey: str, alert: Alert) -> list[Alert]:
+        """The page's ``resolved`` alert once its last member resolves; [] before that."""
+        for key, page in list(state.pages.items()):
+            if gkey in page["active"]:
+                page["active"].remove(gkey)
+                if page["active"]:
+                    return []
+                del state.pages[key]
+                sent = Alert.from_dict(page["alert"])
+                return [replace(alert, key=sent.key, detector=sent.detector, metric=sent.metric,
+                                severity=sent.severity, metrics=sent.metrics, incident=sent.incident)]
+        return [alert]
 
     @staticmethod
     def _alert(gkey: str, group: Group, first: Alert, status: str, at: Alert, now: float) -> Alert:

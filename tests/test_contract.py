@@ -302,7 +302,7 @@ def test_wrong_kind_raises(cls):
 
 
 # Fields added after schema 1 shipped are optional, so older producers stay valid.
-OPTIONAL = {(Alert, "score"), (Alert, "incident"), (Alert, "ranks"), (TelemetryBatch, "final"),
+OPTIONAL = {(Alert, "score"), (Alert, "incident"), (Alert, "ranks"), (Alert, "metrics"), (TelemetryBatch, "final"),
             (DeadLetter, "payload_size"), (DeadLetter, "payload_sha256"), (DeadLetter, "truncated"),
             *((Rollup, name) for name in ROLLUP_EXTRAS)}
 REQUIRED = [

@@ -125,3 +125,49 @@ def test_a_run_wide_transition_passes_through_once():
     assert (out.key, out.rank, out.ranks, out.ts) == ("r/stall/steps", None, (), 1.0)
     assert Alert.from_bytes(out.to_bytes()) == out
     assert grouper.add(state, RankSignal(alert=alert, world_size=4), now=2.0) == []
+
+
+# --- one incident, one page (issue 18) ------------------------------------------------------------
+
+
+def _metric_signal(metric: str, detector: str, status: str = "firing", *, incident: int = 120, step: int = 120,
+                   severity: str = "critical", rank: int = 0, world: int = 1) -> RankSignal:
+    alert = Alert(
+        key=Alert.make_key("r", detector, metric, rank), run="r", status=status, severity=severity,
+        detector=detector, metric=metric, rank=rank, step=step, value=float("nan"),
+        message=f"{metric} is NaN on rank {rank} at step {step} ({detector})", ts=0.0, incident=incident, ranks=(rank,),
+    )
+    return RankSignal(alert=alert, world_size=world)
+
+
+def test_a_nan_reaching_several_metrics_is_one_page_listing_them():
+    grouper, state = Grouper(group_wait_s=0.0), RunGroups()
+    [first] = grouper.add(state, _metric_signal("loss", "nonfinite"), now=0.0)
+    assert first.metrics == () and first.key == "r/nonfinite/loss"
+    [second] = grouper.add(state, _metric_signal("grad_norm", "nonfinite"), now=0.0)
+    [third] = grouper.add(state, _metric_signal("param_norm", "nonfinite"), now=0.0)
+    assert third.key == first.key == second.key and third.incident == 120
+    assert third.metrics == ("loss", "grad_norm", "param_norm") and "3 metrics at step 120" in third.message
+    # A warning on another detector of the same step joins it; the page keeps the highest severity.
+    [fourth] = grouper.add(state, _metric_signal("update_ratio", "spike", severity="warning"), now=0.0)
+    assert fourth.severity == "critical" and fourth.metrics[-1] == "update_ratio"
+    # Members resolve silently until the last one; then one resolved alert closes the page.
+    out = []
+    for metric, det in (("loss", "nonfinite"), ("grad_norm", "nonfinite"), ("update_ratio", "spike")):
+        out += grouper.add(state, _metric_signal(metric, det, "resolved", step=130), now=1.0)
+    assert out == []
+    [closed] = grouper.add(state, _metric_signal("param_norm", "nonfinite", "resolved", step=131), now=1.0)
+    assert closed.status == "resolved" and closed.key == first.key and len(closed.metrics) == 4
+    # A later incident is a page of its own, and so is one a step after another's.
+    assert grouper.add(state, _metric_signal("grad_norm", "nonfinite", incident=299, step=299), now=2.0)
+    [later] = grouper.add(state, _metric_signal("loss", "nonfinite", incident=300, step=300), now=2.0)
+    assert later.metrics == () and later.incident == 300
+
+
+def test_pages_survive_the_state_round_trip():
+    grouper, state = Grouper(group_wait_s=0.0), RunGroups()
+    grouper.add(state, _metric_signal("loss", "nonfinite"), now=0.0)
+    restored = RunGroups.from_dict(json.loads(json.dumps(state.to_dict())))
+    [page] = grouper.add(restored, _metric_signal("grad_norm", "nonfinite"), now=0.0)
+    assert page.metrics == ("loss", "grad_norm")
+    assert Alert.from_bytes(page.to_bytes()) == page

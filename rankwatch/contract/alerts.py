@@ -28,8 +28,12 @@ class Alert:
 
     Conditions seen on several ranks at once are grouped: ``ranks`` lists every rank involved and
     ``rank`` is that rank when there is exactly one, else null. A group that gains ranks while
-    firing is re-sent as ``firing`` with the longer list, so ``(key, status, incident, ranks)``
-    names a transition and lets consumers drop redeliveries.
+    firing is re-sent as ``firing`` with the longer list, so ``(key, status, incident, ranks,
+    metrics)`` names a transition and lets consumers drop redeliveries.
+
+    Conditions of one run that start at the same step from one cause (a NaN reaching loss, grad
+    norm and weights) are one page: ``metrics`` then lists every metric involved (``metric`` and
+    ``detector`` are the page's first, most severe condition); empty for a page of one condition.
     """
 
     key: str
@@ -46,6 +50,7 @@ class Alert:
     score: float = 1.0
     incident: int = 0  # step at which this condition started firing
     ranks: tuple[int, ...] = ()
+    metrics: tuple[str, ...] = ()  # added after schema 1: optional, empty for one condition
 
     KIND = "alert"
     TOPIC = ALERTS
@@ -65,6 +70,7 @@ class Alert:
         d = asdict(self)
         d["value"], d["score"] = encode_float(self.value), encode_float(self.score)
         d["ranks"] = list(self.ranks)
+        d["metrics"] = list(self.metrics)
         return {"schema": SCHEMA_VERSION, "kind": self.KIND, **d}
 
     def to_bytes(self) -> bytes:
@@ -92,7 +98,15 @@ class Alert:
             score=float_field(obj, "score", 1.0),
             incident=field_of(obj, "incident", int) if "incident" in obj else 0,
             ranks=_ranks(obj),
+            metrics=_metrics(obj),
         )
+
+
+def _metrics(obj: dict[str, Any]) -> tuple[str, ...]:
+    metrics = obj.get("metrics", [])
+    if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
+        raise SchemaError("field 'metrics' must be a list of strings")
+    return tuple(metrics)
 
 
 def _ranks(obj: dict[str, Any]) -> tuple[int, ...]:
