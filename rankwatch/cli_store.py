@@ -134,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _open_for_reading(settings)  # the same clear error as `report` when there is no store yet
     token = os.environ.get("RANKWATCH_API_TOKEN") or None  # kept out of argv and the settings' environment
-    api = ReportAPI(store_url(settings), metrics_max_ranks=args.metrics_max_ranks)
+    api = ReportAPI(store_url(settings), metrics_max_ranks=args.metrics_max_ranks, rules=settings.rules)
     server = make_server(api, args.host, args.port, token=token)
     host, port = server.server_address[:2]
     print(f"rankwatch serve: http://{host}:{port}/ (openapi.json, runs, metrics){'; bearer token required' if token else ''}",

@@ -47,8 +47,9 @@ class ReportAPI:
     """The routes as a pure mapping from (path, query) to (status, body); the HTTP layer is below."""
 
     def __init__(self, store_url: str, *, registry: CollectorRegistry | None = None, metrics_max_ranks: int = 64,
-                 metrics_max_age_s: float = 86_400.0):
+                 metrics_max_age_s: float = 86_400.0, rules: str = ""):
         self.store_url = store_url
+        self.rules = rules  # a rules file for /runs/{run}/forecast; empty: the defaults
         self._local = threading.local()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(StoreCollector(self.queries, max_ranks=metrics_max_ranks, max_age_s=metrics_max_age_s))
@@ -81,6 +82,11 @@ class ReportAPI:
                     return _json(200, [as_json(r) for r in q.eval_reports(run, f)])
                 if what == "alerts":
                     return _json(200, q.alerts(run, f))
+                if what == "forecast":  # the trend of each eval and rule-watched metric (rankwatch.forecast)
+                    from rankwatch.sinks.report_forecast import run_forecasts
+                    from rankwatch.stream_processors.rules import Rules
+
+                    return _json(200, run_forecasts(q, run, Rules.load(self.rules or None)))
             return _json(404, {"error": f"no such resource: {path} (see /openapi.json)"})
         except ValueError as exc:
             return _json(400, {"error": str(exc)})

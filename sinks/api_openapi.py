@@ -71,6 +71,10 @@ def openapi() -> dict[str, Any]:
                                              [RUN, f["metric"], f["rank"], f["steps"], f["since"]]),
             "/runs/{run}/alerts": _get("Alert transitions", _array(ALERT),
                                        [RUN, f["metric"], f["rank"], f["steps"], f["since"], f["limit"]]),
+            "/runs/{run}/forecast": _get("Each eval metric's and rule-watched metric's trend: verdict (plateau, "
+                                         "collapse, improving), plateau step, fit and 95% prediction band",
+                                         {"type": "object", "properties": {"eval": {"type": "object"},
+                                                                           "training": {"type": "object"}}}, [RUN]),
             "/alerts/firing": _get("Alert conditions firing now, every run", _array(ALERT)),
             "/metrics": {"get": {"summary": "Prometheus exposition: latest rollups, firing alerts", "responses": {
                 "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

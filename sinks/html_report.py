@@ -80,8 +80,9 @@ def eval_charts(view: dict, forecasts: dict | None = None) -> list[dict]:
     return charts
 
 
-def curve_charts(view: dict) -> list[dict]:
-    """One chart per logged metric (run-wide mean and p95 per window), its alerts as markers."""
+def curve_charts(view: dict, forecasts: dict | None = None) -> list[dict]:
+    """One chart per logged metric (run-wide mean and p95 per window), its alerts as markers, and the forecast
+    of a metric a rule watches."""
     names = sorted(view["curves"], key=lambda m: (FIRST_CURVES.index(m) if m in FIRST_CURVES else len(FIRST_CURVES), m))
     charts = []
     for name in names:
@@ -92,8 +93,13 @@ def curve_charts(view: dict) -> list[dict]:
         series = [{"name": "mean", "x": s["steps"], "y": s["mean"]}]
         if any(v is not None and math.isfinite(v) for v in s["p95"]):
             series.append({"name": "p95", "x": s["steps"], "y": s["p95"], "dash": True})
-        charts.append({"kind": "line", "title": name + (f" ({len(markers)} alerts)" if markers else ""),
-                       "series": series, "markers": markers})
+        title = name + (f" ({len(markers)} alerts)" if markers else "")
+        f = (forecasts or {}).get(name)
+        if f and f.get("steps"):
+            series.append({"name": "forecast", "x": f["steps"], "y": f["mean"], "lo": f["lo"], "hi": f["hi"],
+                           "dash": True, "color": "#888"})
+            title += f": {f['verdict'].removeprefix(name + ': ')}"
+        charts.append({"kind": "line", "title": title, "series": series, "markers": markers})
     return charts
 
 
@@ -127,17 +133,32 @@ def _num(x) -> str:
     return "–" if x is None or not math.isfinite(x) else f"{x:.4g}"
 
 
+def forecast_list(forecasts: dict | None) -> str:
+    from rankwatch.sinks.report_forecast import verdicts
+
+    lines = verdicts(forecasts) if forecasts else []
+    if not lines:
+        return '<p class="note">Nothing to forecast: no eval metric and no rule-watched metric with enough points.</p>'
+    items = "".join(f'<li class="{"bad" if "risk" in v else ""}">{html.escape(v)}</li>' for v in lines)
+    return f'<ul id="forecasts">{items}</ul>'
+
+
 def run_sections(view: dict, forecasts: dict | None = None) -> list[Section]:
+    """``forecasts``: ``report_forecast.run_forecasts``'s {"eval": …, "training": …}."""
+    forecasts = forecasts or {"eval": {}, "training": {}}
     alerts = view["alerts"]
     steps = [s for c in view["curves"].values() for s in c["steps"]]
     span = [min(steps), max(steps)] if steps else []
     hm = view["heatmap"]
     return [
-        Section("Eval metrics over steps", "Mean at each evaluation with its 95% confidence band"
-                + ("; dashed: the fitted trend and its 95% prediction band." if forecasts else "."),
-                eval_charts(view, forecasts), "" if view["eval"] else '<p class="note">No eval reports stored.</p>'),
+        Section("Look ahead", "Each eval metric, and each training metric a rule watches, fitted with a saturating "
+                "trend and a 95% prediction band (dashed in the charts).", body=forecast_list(forecasts)),
+        Section("Eval metrics over steps", "Mean at each evaluation with its 95% confidence band; dashed: the fitted "
+                "trend and its 95% prediction band.", eval_charts(view, forecasts["eval"]),
+                "" if view["eval"] else '<p class="note">No eval reports stored.</p>'),
         Section("Training curves", "Run-wide mean and p95 per rollup window; dashed red lines mark alerts on the "
-                "metric (hover for the message).", curve_charts(view)),
+                "metric (hover for the message); dashed grey: the forecast of a rule-watched metric.",
+                curve_charts(view, forecasts["training"])),
         Section("Throughput and step time per rank", "Window means, one line per rank.", rank_charts(view),
                 "" if view["per_rank"] else '<p class="note">No step-time or throughput metric logged.</p>'),
         Section("Rank × step heatmap", "Each cell: the rank's window mean relative to that window's median across "

@@ -67,6 +67,9 @@ def test_html_report_draws_every_chart_in_a_real_browser(stack, run_id, tmp_path
         assert f">{title}" in dom, title
     assert re.search(r">\d+ alert transitions<", dom)
     assert dom.count("<polygon") >= 2  # the CI bands
+    # The look ahead: the loss levelled off; the last evaluation fell (rank 3 drags its mean down).
+    assert 'id="forecasts"' in dom and "training loss: plateau reached around step" in dom
+    assert "eval correct falling, collapse risk" in dom
     assert 'class="marker"' in dom  # the NaN's alert on the loss curve
     assert re.search(r"rank 3</td>.*?differs: correct", dom, re.S)  # the rank the consistency test named
     assert "rank 0</td>" in dom and re.search(r"rank 0</td>(?:(?!</tr>).)*consistent", dom, re.S)
