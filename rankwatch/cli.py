@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rankwatch import contract
+from rankwatch.cli_replay import add_commands as add_replay_commands
 from rankwatch.cli_store import add_commands as add_store_commands
 from rankwatch.errors import RankwatchError
 from rankwatch.score_series import add_arguments as score_series_arguments
@@ -369,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-end", action="store_true", help="only messages that arrive from now on")
 
     add_store_commands(add, bootstrap)  # store, report, runs, serve: rankwatch/cli_store.py
+    add_replay_commands(add, bootstrap)  # record, replay: rankwatch/cli_replay.py
 
     p = add("deadletters", cmd_deadletters,
             f"Count the messages workers dead-lettered to {contract.DEADLETTER}, by topic and cause "
