@@ -29,6 +29,9 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
         from rankwatch.stream_processors import tansu
 
         extra, scheme = dict(tansu.APP_SETTINGS), "tansu"
+    if settings.session_timeout_s:  # how soon the others take over a killed worker's partitions
+        extra.update(broker_session_timeout=settings.session_timeout_s,
+                     broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 3))
     datadir = Path(settings.data_dir) / "faust"
     datadir.parent.mkdir(parents=True, exist_ok=True)
     app = faust.App(
