@@ -145,8 +145,10 @@ def ensure_recorded(spec: RunSpec) -> float:
 
 
 def _matches(alert, sc: Scenario) -> bool:
-    return (not sc.detectors or alert.detector in sc.detectors) and any(
-        fnmatch.fnmatchcase(alert.metric, p) for p in sc.family
+    # A page of several conditions (grouping) lists every metric; its detector is its first one's.
+    metrics = (alert.metric, *alert.metrics)
+    return (not sc.detectors or alert.detector in sc.detectors or len(metrics) > 1) and any(
+        fnmatch.fnmatchcase(m, p) for m in metrics for p in sc.family
     )
 
 

@@ -26,7 +26,8 @@ from rankwatch.errors import RankwatchError
 #: Detectors that score a single series (``crossrank`` needs one value per rank per step). Spelled
 #: out so that ``rankwatch --help`` need not import numpy and scipy; a test keeps it in step.
 SERIES_DETECTORS = (
-    "ensemble", "nonfinite", "spike", "ewma", "cusum", "page_hinkley", "trend", "plateau", "collapse", "blowup", "stall",
+    "ensemble", "nonfinite", "spike", "ewma", "explode", "cusum", "page_hinkley", "trend", "plateau", "collapse", "blowup",
+    "stall",
 )
 DEFAULT_DETECTOR = "ensemble"
 

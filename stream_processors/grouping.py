@@ -14,7 +14,7 @@ Signals arrive at least once. Each rank's last applied transition is kept, so a 
 One incident, one page: a NaN reaches loss, grad norm and the weights at one step, and each is
 its own condition. Conditions of a run whose incidents start at the same step (``PAGE_STEPS``)
 join one page: its alert (the key of its first condition, the highest severity
-of all) lists every metric in ``metrics`` and is re-sent as it grows, as it is when ranks join.
+of all, the ranks all its conditions share, or all ranks if none) lists every metric in ``metrics`` and is re-sent as it grows, as it is when ranks join.
 Members that resolve are silent until the last one does; then one ``resolved`` alert closes the
 page.
 """
@@ -166,7 +166,12 @@ class Grouper:
         if gkey not in page["active"]:
             page["active"].append(gkey)
         metrics = list(dict.fromkeys([*(sent.metrics or (sent.metric,)), alert.metric]))
-        ranks = tuple(sorted(set(sent.ranks) | set(alert.ranks)))
+        # The ranks every condition of the page shares name the origin (a NaN in one rank's batch
+        # reaches every rank's gradient through the all-reduce); with none shared, all of them.
+        members = page.setdefault("ranks", {sent.key: list(sent.ranks)})
+        members[gkey] = list(alert.ranks)
+        sets = [set(r) for r in members.values()]
+        ranks = tuple(sorted(set.intersection(*sets) or set.union(*sets)))
         severity = max(sent.severity, alert.severity, key=_SEVERITY.__getitem__)
         if len(metrics) == 1:
             message = alert.message if sent.key == alert.key else sent.message

@@ -171,3 +171,12 @@ def test_pages_survive_the_state_round_trip():
     [page] = grouper.add(restored, _metric_signal("grad_norm", "nonfinite"), now=0.0)
     assert page.metrics == ("loss", "grad_norm")
     assert Alert.from_bytes(page.to_bytes()) == page
+
+
+def test_a_page_names_the_rank_its_conditions_share():
+    # A NaN in rank 2's batch: its loss is NaN on rank 2, the all-reduced gradient on every rank.
+    grouper, state = Grouper(group_wait_s=10.0), RunGroups()
+    grouper.add(state, _metric_signal("loss", "nonfinite", rank=2, world=4), now=0.0)
+    out = [a for r in range(4) for a in grouper.add(state, _metric_signal("grad_norm", "nonfinite", rank=r, world=4), now=0.0)]
+    out += grouper.tick(state, now=20.0)
+    assert out and set(out[-1].metrics) == {"loss", "grad_norm"} and out[-1].ranks == (2,) and out[-1].rank == 2

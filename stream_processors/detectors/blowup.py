@@ -17,7 +17,7 @@ class Blowup(RobustSpike):
     where "ten times the usual" is the meaningful unit and a fall towards zero is no fault. Each
     point's ``log`` is compared with the median/MAD of the logs of the last ``window`` points, and
     only upward deviations count, scored and calibrated as ``spike`` scores them (a tail
-    probability under the learned distribution of z). The log-scale sigma is floored at a sixth
+    probability under the learned distribution of z). The log-scale sigma is floored at an eighth
     of ``log(min_factor)``, and a point less than ``min_factor`` times the rolling median never
     scores above a 3.5-sigma point (under the default threshold), however steady the metric was: a 1.5x wobble of a flat KL is no
     blow-up. Values at or below ``floor`` (zero, or a slightly negative KL estimate) are taken as
@@ -41,7 +41,7 @@ class Blowup(RobustSpike):
         self,
         *,
         window: int = 64,
-        warmup: int = 20,
+        warmup: int = 40,
         threshold: float = THRESHOLD,
         min_factor: float = 3.0,
         floor: float = 1e-12,
@@ -62,7 +62,7 @@ class Blowup(RobustSpike):
             rebase=rebase, max_period=max_period, history=history, calib=calib, run=run, period=period, seen=seen,
         )
         self.min_factor, self.floor = min_factor, floor
-        self._min_log_scale = math.log(min_factor) / 6.0  # a min_factor jump is z = 6 at least
+        self._min_log_scale = math.log(min_factor) / 8.0  # a min_factor jump is z = 8 at least
 
     def _transform(self, values: np.ndarray) -> np.ndarray:
         return np.log(np.maximum(values, self.floor))

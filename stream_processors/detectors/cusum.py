@@ -209,7 +209,7 @@ class Cusum(_Accumulating):
     >>> d = Cusum()
     >>> scores = d.update(np.r_[rng.normal(1.0, 0.01, 100), rng.normal(1.03, 0.01, 30)])
     >>> bool(d.decide(scores[:100]).any()), int(np.argmax(d.decide(scores[100:])))
-    (False, 13)
+    (False, 16)
     """
 
     name = "cusum"

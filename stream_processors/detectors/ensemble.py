@@ -49,7 +49,7 @@ class Ensemble(Detector):
     """Several series detectors as one: a point scores what its most alarmed member says.
 
     Each member's score is rescaled piecewise-linearly so that its own threshold maps to the
-    ensemble's (the calibrated members share the default 0.9999, so their scores pass unchanged),
+    ensemble's (the calibrated members share the default 0.999999, so their scores pass unchanged),
     and the ensemble scores their maximum: it decides "anomalous" exactly when any member does,
     and a threshold sweep (as NAB's optimiser does) moves all members together. On clean data the
     fraction of points at or above a level is at most the sum of the members' (each calibrated),

@@ -28,7 +28,7 @@ class EwmaResidual(Detector):
     ``alpha`` (about ``2/alpha`` points of memory); during warm-up both are plain running averages.
     Each point's ``z = (x - mean) / (dev * sqrt(pi/2))`` is scored by how rare such a |z| has been
     on this series (``calibration.TailModel``, ``memory`` points): 0.99 is one point in a hundred,
-    the default threshold 0.9999 one in ten thousand, whatever the metric. After warm-up
+    the default threshold 0.999999 one in a million, whatever the metric. After warm-up
     a residual is clipped to ``clip`` sigmas before it is learned (Huber's estimator): one outlier
     nudges the level by at most ``alpha * clip`` sigmas, yet a real level change is followed within
     a few dozen points. Compared with ``spike`` it needs no window of history (three numbers of
@@ -107,7 +107,9 @@ class EwmaResidual(Detector):
             self.run = self.run + side if side and self.run * side > 0 else side
         score = 0.0 if magnitude is None else self.calib.update(magnitude, self.threshold)
         if self.rebase and abs(self.run) >= self.rebase:
-            self.count, self.dev, self.run = 0, 0.0, 0  # a new level: re-warm on it, starting here
+            # A new level, confirmed (as ``spike`` scores it): re-warm on it, starting here.
+            score = max(score, 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
+            self.count, self.dev, self.run = 0, 0.0, 0
         if not math.isfinite(residual):
             return score  # |x| near the float limit: learning it would poison the state with inf
         weight = max(self.alpha, 1.0 / (self.count + 1))

@@ -41,8 +41,8 @@ class RobustSpike(Detector):
 
     The score is calibrated (``calibration.TailModel``): ``1 - P(|z| >= this one)`` under the
     distribution of |z| learned on this series (``memory`` points), so 0.99 means one point in a
-    hundred on clean data whatever the metric, and the default threshold 0.9999 one in ten
-    thousand. A deviation beyond the threshold is learned only up to the threshold's own quantile:
+    hundred on clean data whatever the metric, and the default threshold 0.999999 one in a
+    million. A deviation beyond the threshold is learned only up to the threshold's own quantile:
     a deviation that recurs (an evaluation pause every 50 steps) becomes normal after a few
     occurrences, while one fault does not teach the model that faults are normal.
 
@@ -55,7 +55,9 @@ class RobustSpike(Detector):
     After ``rebase`` consecutive points more than 4 sigmas off on the same side, the level has
     changed: the history is moved to the new level (by the gap between the medians before and
     after), so a persistent shift is reported once, at its start, instead of firing until the
-    median catches up, and the recurring shape learned before it is kept. ``min_scale`` floors the
+    median catches up, and the recurring shape learned before it is kept. The point that confirms
+    the change scores ``1 - P(|z| >= 4) ** rebase``: a shift of 4 to 8 sigmas that no single
+    point makes rare enough is reported there, ``rebase - 1`` points after it began. ``min_scale`` floors the
     unit (absolutely and relative to the median), so a perfectly flat series scores 0 and its
     first real wiggle is reported once. Non-finite points score 0 here (``NonFinite`` owns them)
     and are not learned.
@@ -78,7 +80,7 @@ class RobustSpike(Detector):
         self,
         *,
         window: int = 64,
-        warmup: int = 20,
+        warmup: int = 40,
         threshold: float = THRESHOLD,
         min_scale: float = 1e-6,
         direction: str = "both",
@@ -208,9 +210,13 @@ class RobustSpike(Detector):
             for i, zi in enumerate(z.tolist()):
                 if zi == zi:  # not warm-up
                     s = self._score_z(zi)
-                    scores[finite[done + i]] = s
                     if self._learn_z(zi, s):
+                        # A level change is confirmed: ``rebase`` points in a row, each as rare as a
+                        # 4-sigma one, is far rarer than the threshold on clean data.
+                        s = max(s, 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
                         rebased = i
+                    scores[finite[done + i]] = s
+                    if rebased is not None:
                         break
             if rebased is None:
                 self.history = series[-self.span :].tolist()
