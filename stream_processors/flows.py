@@ -14,7 +14,7 @@ from rankwatch.stream_processors.batching import process_batch
 from rankwatch.stream_processors.grouping import Grouper, RunGroups
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
-from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher
+from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher, WatchStateError, tick_mark
 from rankwatch.stream_processors.topics import dead_letterer, decoded, encoded, raw_topic, send_all
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,25 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     grouper = Grouper(group_wait_s=rules.group_wait_s)
     waiting: set[bytes] = set()  # runs with groups inside their wait, on partitions this worker owns
     watcher = RunWatcher(rules=rules, outages=outages)  # the worker stops this clock while the broker is away
-    watches: dict[bytes, RunWatch] = {}  # per run: cross-rank rows and stall clocks (memory only)
+    # Per run: cross-rank rows and stall clocks, keyed and partitioned like run-state, so the worker
+    # that gets a run's partition next (a rebalance, a crash) recovers them from the changelog instead
+    # of starting blank (issue 16). Written once per run event or tick that changes it; a run event
+    # from stage 1 is one ProgressBatch per run per telemetry batch, so this is per batch, not per message.
+    run_watch = app.Table("run-watch", default=None, key_type=bytes, use_partitioner=True)
+
+    def load_watch(raw, run: str, partition: int) -> RunWatch:
+        if isinstance(raw, RunWatch):  # the memory store keeps the object written
+            watch = raw
+        elif raw is None:
+            watch = RunWatch(run=run)
+        else:  # recovered from the changelog as a dict
+            try:
+                watch = RunWatch.from_dict(raw, rules=rules, clock=watcher.outages.read(time.time()))
+            except WatchStateError as exc:  # never misread; a few steps of warm-up rebuild it
+                log.error("run %s: %s; its cross-rank and stall watch starts over", run, exc)
+                watch = RunWatch(run=run)
+        watch.partition = partition
+        return watch
 
     dead_letter = dead_letterer(app)
 
@@ -63,9 +81,9 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                 log.error("processing %s[%d]@%d failed", event.message.topic, event.message.partition,
                           event.message.offset, exc_info=exc)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
-            for key, state in out.states.items():  # once per rank per batch; Faust flushes before it commits
-                rank_state[key.encode()] = state
             await send_all(out_topics, out.messages)
+            for key, state in out.states.items():  # once per rank per batch, after its output is in
+                rank_state[key.encode()] = state
 
     async def publish(alerts_due) -> None:
         await send_all(out_topics, encoded(*alerts_due))
@@ -80,13 +98,14 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     @app.agent(run_events, name="run-events")
     async def group_signals(stream):
         async for event, item in decoded(stream.events(), decode_run_event, dead_letter, "run event"):
+            watch = None
             try:
                 state, now = run_groups(item.key), time.time()
                 if isinstance(item, RankSignal):
                     due = grouper.add(state, item, now)
                 else:
                     due = []
-                    watch = watches.setdefault(item.key, RunWatch(run=item.run))
+                    watch = load_watch(run_watch.get(item.key), item.run, event.message.partition)
                     for p in item.items if isinstance(item, ProgressBatch) else (item,):
                         due += grouper.progress(state, p.rank, p.last_step, p.world_size, now)
                         for alert in watcher.observe(watch, p, now):
@@ -97,12 +116,13 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                               event.message.offset)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
                 continue
-            if due or isinstance(item, RankSignal):
-                # A replay then finds the alerts sent, once this write is in the changelog. Faust
-                # buffers it and may send it after the alerts: a worker killed in between sends
-                # them again (a gap the crash-recovery work must close).
-                run_state[item.key] = state
             await send_all(out_topics, messages)
+            if due or isinstance(item, RankSignal):
+                # After the alerts are in: a worker killed in between sends them again on replay
+                # (at least once), never loses them.
+                run_state[item.key] = state
+            if watch is not None:  # after its alerts are in, like run_state
+                run_watch[item.key] = watch
             if state.waiting():
                 waiting.add(item.key)
 
@@ -113,27 +133,39 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             state = run_groups(key)
             due = grouper.tick(state, now)
             if due:
-                run_state[key] = state
                 await publish(due)
+                run_state[key] = state
             if not state.waiting():
                 waiting.discard(key)
 
     @app.timer(interval=1.0)
     async def check_run_watches():
+        if app.rebalancing:
+            return  # ownership is moving: each run's next owner ticks it
+        owned = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == contract.RUN_EVENTS}
         now = time.time()
-        for key, watch in list(watches.items()):
+        for key in list(run_watch.keys()):
+            raw = run_watch.get(key)
+            partition = raw.partition if isinstance(raw, RunWatch) else (raw or {}).get("partition")
+            if partition not in owned:
+                continue  # a standby copy, or a run another worker owns now: its owner ticks it
+            watch = load_watch(raw, raw.get("run", "") if isinstance(raw, dict) else key.decode(), partition)
+            before = tick_mark(watch)
             alerts = watcher.tick(watch, now)
             if alerts:
                 state = run_groups(key)
                 due = [a for alert in alerts
                        for a in grouper.add(state, RankSignal(alert=alert, world_size=watch.world_size), now)]
-                run_state[key] = state
                 await publish(due)
+                run_state[key] = state
                 if state.waiting():
                     waiting.add(key)
+            if alerts or watch is not raw or tick_mark(watch) != before:
+                run_watch[key] = watch  # after its alerts are in
+            if run_groups(key).waiting():  # a group recovered mid-wait: its run may send nothing more
+                waiting.add(key)
 
     @app.on_partitions_revoked.connect
     async def forget_waiting(sender, revoked, **kwargs):
-        # The new owners pick their runs up with the next events; these live in memory only.
+        # Memory only; the new owners find waiting groups again when they tick the runs they got.
         waiting.clear()
-        watches.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import weakref
@@ -113,5 +114,12 @@ def encoded(*events: Any) -> list[tuple[str, bytes, bytes]]:
 
 
 async def send_all(topics: dict[str, faust.TopicT], messages: list[tuple[str, bytes, bytes]]) -> None:
-    for topic, key, value in messages:
-        await topics[topic].send(key=key, value=value)
+    """Send ``messages`` in order and return once the broker has taken every one.
+
+    Flows write the state that records a message as applied only after this returns: a table write
+    goes to its changelog on its own schedule, and one that landed before the output would, after
+    a crash, make the replay look applied while its output was lost. This order can only repeat.
+    """
+    pending = [await topics[topic].send(key=key, value=value) for topic, key, value in messages]
+    if pending:
+        await asyncio.gather(*pending)

@@ -258,8 +258,6 @@ def _kill(worker) -> None:
     worker.proc.wait()
 
 
-@pytest.mark.xfail(strict=True, reason="open bug (issue 19): after a SIGKILL and restart, the later windows of some "
-                                        "ranks were never rolled up (30 and 38 of 120 missing in two runs)")
 def test_a_worker_killed_mid_stream_and_restarted_reports_and_alerts_as_an_uninterrupted_run(cluster_stack, run_id):
     bootstrap = cluster_stack.bootstrap
     calm, crashed = f"{run_id}-calm", f"{run_id}-crash"
