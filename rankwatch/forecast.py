@@ -6,9 +6,10 @@ a straight line stands in when that fit fails. Three verdicts:
 
 - **plateau**: the curve has (or will have) closed all but ``tol`` (5%) of its total rise by step N:
   "plateau expected around step N" (or "plateau reached around step N" when N is behind us).
-- **collapse**: the newest point (or two) fell below the one-sided 99.5% prediction bound of the trend
-  fitted on the points before them, or the last few points fall significantly (one-sided slope test, p < 0.05) and
-  sit well below the best so far: "reward falling, collapse risk".
+- **collapse**: the newest point (up to three) fell below the one-sided 99.5% prediction bound of the
+  trend fitted on the points before them, or the metric lost half of what it had gained, or the last
+  few points fall significantly (one-sided slope test, p < 0.05) and sit well below the best so far:
+  "reward falling, collapse risk".
 - **improving**: still rising with no plateau within ten times the observed span.
 
 A metric with no known direction (``direction=None``: grad norm, KL…) is fitted in the direction it moved,
@@ -133,8 +134,9 @@ def forecast(metric: str, steps, values, *, direction: str | None = "auto", hori
             plateau = x[0] + math.log(1 / TOL) / b
             level = sign * c
             if plateau <= x[-1]:
-                out.update(kind="plateau", plateau_step=int(round(plateau)),
-                           verdict=f"{metric}: plateau reached around step {int(round(plateau))} (~{level:.4g})")
+                seen = int(x[np.searchsorted(x, plateau)])  # the first step observed there: no finer than the data
+                out.update(kind="plateau", plateau_step=seen,
+                           verdict=f"{metric}: plateau reached around step {seen} (~{level:.4g})")
                 return out
             if plateau <= x[-1] + 10 * (x[-1] - x[0]):
                 out.update(kind="plateau", plateau_step=int(round(plateau)),
@@ -149,15 +151,20 @@ def forecast(metric: str, steps, values, *, direction: str | None = "auto", hori
 
 def _collapse(x: np.ndarray, g: np.ndarray) -> str:
     """Why the newest points say collapse, or "" (g: larger is better)."""
-    for m in (1, 2):
-        if x.size - m >= MIN_POINTS:
-            predict, _ = _fit(x[:-m], g[:-m], q=0.995)  # one-sided 0.5% per check: few false alarms
-            mean, half = predict(x[-m:])
-            if np.all(g[-m:] < mean - half) and g[-1] < g[:-m].max():
-                return f"{'the last point' if m == 1 else f'the last {m} points'} below the trend's prediction band"
+    # The newest 1, 2 or 3 points against the trend of those before (4 points at least: the curve has 3
+    # parameters), so a fall of the last evaluations does not widen the band it is judged by.
+    for m in range(1, min(3, x.size - 4) + 1):
+        predict, _ = _fit(x[:-m], g[:-m], q=0.995)  # one-sided 0.5% per check: few false alarms
+        mean, half = predict(x[-m:])
+        if np.all(g[-m:] < mean - half) and g[-1] < g[:-m].max():
+            return f"{'the last point' if m == 1 else f'the last {m} points'} below the trend's prediction band"
+    # Robust noise (median step-to-step change): a collapse in the history must not inflate it.
+    noise = float(np.median(np.abs(np.diff(g)))) / 0.6745 / math.sqrt(2)
+    gain, best = g.max() - g[0], int(np.argmax(g))
+    if gain > 4 * noise and g[-1] < g[best] - 0.5 * gain and best < x.size - 1:
+        return f"lost {(g[best] - g[-1]) / gain:.0%} of its gain since step {int(x[best])}"
     k = max(4, x.size // 3)
     recent = stats.linregress(x[-k:], g[-k:])
-    noise = np.std(np.diff(g)) / math.sqrt(2) if x.size > 2 else 0.0
     if recent.slope < 0 and recent.pvalue / 2 < 0.05 and g[-1] < g.max() - 2 * noise:
         return f"down {abs(recent.slope) * 100:.3g} per 100 steps since step {int(x[-k])}"
     return ""

@@ -74,7 +74,7 @@ def eval_charts(view: dict, forecasts: dict | None = None) -> list[dict]:
         f = (forecasts or {}).get(name)
         if f and f.get("steps"):
             series.append({"name": "forecast", "x": f["steps"], "y": f["mean"], "lo": f["lo"], "hi": f["hi"],
-                           "dash": True, "color": "#888"})
+                           "dash": True, "forecast": True, "color": "#888"})
             title += f": {f['verdict']}"
         charts.append({"kind": "line", "title": title, "series": series})
     return charts
@@ -97,7 +97,7 @@ def curve_charts(view: dict, forecasts: dict | None = None) -> list[dict]:
         f = (forecasts or {}).get(name)
         if f and f.get("steps"):
             series.append({"name": "forecast", "x": f["steps"], "y": f["mean"], "lo": f["lo"], "hi": f["hi"],
-                           "dash": True, "color": "#888"})
+                           "dash": True, "forecast": True, "color": "#888"})
             title += f": {f['verdict'].removeprefix(name + ': ')}"
         charts.append({"kind": "line", "title": title, "series": series, "markers": markers})
     return charts

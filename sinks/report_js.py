@@ -44,16 +44,22 @@ function frame(div,spec,xr,yr,W,H,m){
   div.appendChild(svg);return {svg,sx,sy};}
 function line(div,spec){
   const W=spec.width||520,H=spec.height||230,m={l:58,r:12,t:22+14*Math.ceil(spec.series.length/4),b:30};
-  const xs=[],ys=[];for(const s of spec.series){xs.push(...s.x);ys.push(...s.y);if(s.lo){ys.push(...s.lo,...s.hi);}}
+  // The y range comes from the data and its CI bands; a forecast (dashed) is clipped to it, so a wild fit
+  // cannot squash what was measured.
+  const xs=[],ys=[];for(const s of spec.series){xs.push(...s.x);if(!s.forecast){ys.push(...s.y);if(s.lo)ys.push(...s.lo,...s.hi);}}
+  if(!ys.some(ok))for(const s of spec.series)ys.push(...s.y);
   for(const k of spec.markers||[])xs.push(k.x);
   const f=frame(div,spec,extent(xs,0.02),extent(ys,0.05),W,H,m);
+  const clip="clip"+div.id;el("rect",{x:m.l,y:m.t,width:W-m.l-m.r,height:H-m.t-m.b},el("clipPath",{id:clip},f.svg));
+  const plot=el("g",{"clip-path":"url(#"+clip+")"},f.svg);
   spec.series.forEach(function(s,i){const c=s.color||COLORS[i%COLORS.length];
     if(s.lo){let pts=[];const flush=()=>{if(pts.length>1){const back=pts.map(p=>p[0]+","+p[2]).reverse();
-        el("polygon",{points:pts.map(p=>p[0]+","+p[1]).concat(back).join(" "),fill:c,"fill-opacity":s.dash?0.10:0.18,stroke:"none"},f.svg);}pts=[];};
+        el("polygon",{points:pts.map(p=>p[0]+","+p[1]).concat(back).join(" "),fill:c,"fill-opacity":s.dash?0.10:0.18,stroke:"none"},plot);}pts=[];};
       s.x.forEach((x,j)=>{if(ok(s.lo[j])&&ok(s.hi[j]))pts.push([f.sx(x),f.sy(s.hi[j]),f.sy(s.lo[j])]);else flush();});flush();}
     let d="",pen=false;s.x.forEach((x,j)=>{if(ok(s.y[j])){d+=(pen?"L":"M")+f.sx(x).toFixed(1)+","+f.sy(s.y[j]).toFixed(1);pen=true;}else pen=false;});
-    if(d)el("path",{d:d,fill:"none",stroke:c,"stroke-width":1.6,"stroke-dasharray":s.dash?"5,4":"none"},f.svg);
-    if(s.points)s.x.forEach((x,j)=>{if(ok(s.y[j])){const p=el("circle",{cx:f.sx(x),cy:f.sy(s.y[j]),r:2.5,fill:c},f.svg);
+    if(d)el("path",{d:d,fill:"none",stroke:c,"stroke-width":1.6,"stroke-dasharray":s.dash?"5,4":"none"},plot);
+    const alone=j=>!ok(s.y[j-1])&&!ok(s.y[j+1]);  // a window with no neighbour draws no line: show it as a dot
+    if(!s.dash)s.x.forEach((x,j)=>{if(ok(s.y[j])&&(s.points||alone(j))){const p=el("circle",{cx:f.sx(x),cy:f.sy(s.y[j]),r:2.5,fill:c},plot);
       el("title",{},p,s.name+" @ "+x+": "+fmt(s.y[j])+(s.lo&&ok(s.lo[j])?" ["+fmt(s.lo[j])+", "+fmt(s.hi[j])+"]":""));}});
     const lx=m.l+(i%4)*((W-m.l)/4),ly=30+14*Math.floor(i/4);
     el("rect",{x:lx,y:ly-8,width:10,height:3,fill:c},f.svg);el("text",{x:lx+13,y:ly-3,fill:"#333"},f.svg,String(s.name).slice(0,22));});

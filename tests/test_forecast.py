@@ -39,6 +39,8 @@ def test_collapse_is_called_and_a_healthy_plateau_is_not():
     assert f["kind"] == "collapse" and f["verdict"].startswith("reward falling, collapse risk")
     loss = forecast("loss", STEPS, noisy(0.3 + 2 * np.exp(-STEPS / 60) + np.r_[np.zeros(21), 0.2, 0.5, 0.9, 1.4], 2))
     assert loss["kind"] == "collapse" and "rising, divergence risk" in loss["verdict"]
+    demo = forecast("correct", [0, 40, 80, 120, 160, 200], [0.092, 0.876, 0.890, 0.912, 0.100, 0.100])
+    assert demo["kind"] == "collapse" and "lost 99% of its gain since step 120" in demo["verdict"]  # the demo's NaN
     false_alarms = sum(forecast("reward", STEPS, noisy(acc, seed))["kind"] == "collapse" for seed in range(40))
     assert false_alarms <= 2  # the band is 95%: about one point in twenty-ish may fall out by chance
 
