@@ -14,8 +14,11 @@ heartbeats (dead processes), or else the ranks *not* blocked in a collective whi
 (a rank whose heartbeat reports it blocked for most of the stall is waiting for a peer). Without
 such evidence the alert is about the whole run.
 
-The state lives in memory: it changes with every batch of every rank, and after a restart a few
-steps of warm-up rebuild it.
+The state survives a rebalance and a crash (issue 16): the worker writes a run's watch to a table
+(``to_dict``, versioned) whenever a batch changes it, and the worker that gets the run's partition
+next reads it back from the changelog (``RunWatch.from_dict``). Replays that at-least-once delivery
+brings after a crash change nothing: each cross-rank metric keeps the last step it took from each
+rank, and the stall detector ignores stamps it has seen.
 
 Ranks are judged by their own clocks and steps (event time), never by when the worker gets to
 their messages, so a worker catching up on a backlog (after a restart, an outage, a burst) raises no
@@ -40,6 +43,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, RankProgress
+from rankwatch.contract.codec import encode_float
+from rankwatch.errors import RankwatchError
 from rankwatch.stream_processors.detectors import CrossRank, Stall
 from rankwatch.stream_processors.detectors.stall import Stalled
 from rankwatch.stream_processors.grouping import ranks_text
@@ -53,6 +58,12 @@ MIN_BLOCKED_S = 1.0
 # A rank not heard from (no batch, no heartbeat) for this fraction of the stall bound has stopped
 # sending: with the default 5 s heartbeats and a bound of at least 10 s, a live rank never gets there.
 SILENT_FRACTION = 0.75
+#: Version of ``RunWatch.to_dict``; a worker reads only this one (see ``WatchStateError``).
+WATCH_VERSION = 1
+
+
+class WatchStateError(RankwatchError, ValueError):
+    """A stored run watch this worker cannot read (a newer or older format): never guess at it."""
 
 
 class OutageClock:
@@ -105,12 +116,33 @@ class _Track:
     rows: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> value
     opened: dict[int, float] = field(default_factory=dict)  # step -> wall time of its first value
     conditions: dict[int, Condition] = field(default_factory=dict)
+    applied: dict[int, int] = field(default_factory=dict)  # rank -> last step put in a row (replays skip)
+
+    def to_dict(self) -> dict:
+        return {
+            "detector": self.detector.state_dict(),
+            "rows": {str(s): {str(r): encode_float(v) for r, v in row.items()} for s, row in self.rows.items()},
+            "opened": {str(s): t for s, t in self.opened.items()},
+            "conditions": {str(r): c.to_dict() for r, c in self.conditions.items()},
+            "applied": {str(r): s for r, s in self.applied.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, rule: Rule) -> _Track:
+        return cls(
+            rule, CrossRank.from_state(d["detector"]),
+            rows={int(s): {int(r): float(v) for r, v in row.items()} for s, row in d["rows"].items()},
+            opened={int(s): float(t) for s, t in d["opened"].items()},
+            conditions={int(r): Condition(**c) for r, c in d["conditions"].items()},
+            applied={int(r): int(s) for r, s in d["applied"].items()},
+        )
 
 
 @dataclass
 class RunWatch:
     run: str
     world_size: int = 0
+    partition: int = -1  # of the run-events topic: the worker owning it ticks this watch
     tracks: dict[str, _Track] = field(default_factory=dict)
     stall: Stall | None = None
     stall_conditions: dict[int | None, Condition] = field(default_factory=dict)
@@ -122,12 +154,71 @@ class RunWatch:
     # On the outage clock: when the run's last message arrived, and each rank's last new step
     arrived: float = -math.inf
     stepped: dict[int, float] = field(default_factory=dict)
+    clock: float = -math.inf  # the outage clock's reading at the last change
+
+    def to_dict(self) -> dict:
+        """JSON-able and versioned. Times on the outage clock are stored as ages at ``clock``: each
+        worker's clock has its own outages taken out, so only durations carry over."""
+        def age(t: float) -> float | None:
+            return None if math.isinf(t) or math.isinf(self.clock) else self.clock - t
+
+        return {
+            "version": WATCH_VERSION, "run": self.run, "world_size": self.world_size, "partition": self.partition,
+            "tracks": {metric: track.to_dict() for metric, track in self.tracks.items()},
+            "stall": None if self.stall is None else self.stall.state_dict(),
+            "stall_conditions": {"run" if r is None else str(r): c.to_dict() for r, c in self.stall_conditions.items()},
+            "last_step": {str(r): s for r, s in self.last_step.items()},
+            "heard": {str(r): t for r, t in self.heard.items()},
+            "waits": {str(r): list(w) for r, w in self.waits.items()},
+            "latest_ts": None if math.isinf(self.latest_ts) else self.latest_ts,
+            "arrived_age_s": age(self.arrived),
+            "stepped_age_s": {str(r): age(t) for r, t in self.stepped.items()},
+        }
+
+    __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
+
+    @classmethod
+    def from_dict(cls, d: dict, *, rules: Rules, clock: float) -> RunWatch:
+        """A stored watch, its ages re-anchored at ``clock`` (this worker's outage clock now): the
+        time the run's partition spent between owners is the monitor's own lag, not the ranks'
+        silence, so it counts toward no stall. State of rules no longer in ``rules`` is dropped."""
+        version = d.get("version") if isinstance(d, dict) else None
+        if version != WATCH_VERSION:
+            raise WatchStateError(
+                f"stored run watch has version {version!r}; this worker reads version {WATCH_VERSION} only "
+                "(run workers of one version per consumer group)")
+
+        def back(age: float | None) -> float:
+            return -math.inf if age is None else clock - age
+
+        tracks = {}
+        for metric, track in d["tracks"].items():
+            rule = rules.cross_rank_rule(metric)
+            if rule is not None:
+                tracks[metric] = _Track.from_dict(track, rule)
+        return cls(
+            run=d["run"], world_size=d["world_size"], partition=d["partition"], tracks=tracks,
+            stall=None if d["stall"] is None or rules.stall is None else Stall.from_state(d["stall"]),
+            stall_conditions={None if r == "run" else int(r): Condition(**c) for r, c in d["stall_conditions"].items()},
+            last_step={int(r): s for r, s in d["last_step"].items()},
+            heard={int(r): t for r, t in d["heard"].items()},
+            waits={int(r): (w[0], w[1]) for r, w in d["waits"].items()},
+            latest_ts=-math.inf if d["latest_ts"] is None else d["latest_ts"],
+            arrived=back(d["arrived_age_s"]), stepped={int(r): back(a) for r, a in d["stepped_age_s"].items()},
+            clock=clock,
+        )
 
     def event_now(self, clock: float) -> float:
         """The run's event-time now (see the module doc); ``clock`` is the outage clock's reading."""
         if math.isinf(self.latest_ts):
             return clock
         return self.latest_ts + max(clock - self.arrived, 0.0)
+
+
+def tick_mark(watch: RunWatch) -> tuple:
+    """What a tick can change, cheap to compare: rows still waiting, and the stall conditions."""
+    return (sum(len(t.rows) for t in watch.tracks.values()),
+            [(r, c.firing, c.incident, c.streak, c.calm, c.quiet_until) for r, c in watch.stall_conditions.items()])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +234,7 @@ class RunWatcher:
         watch.world_size = max(watch.world_size, progress.world_size)
         self.outages.heard(now)
         clock = self.outages.read(now)  # the worker's side of silences is measured on this one
-        watch.latest_ts, watch.arrived = max(watch.latest_ts, progress.ts), clock
+        watch.latest_ts, watch.arrived, watch.clock = max(watch.latest_ts, progress.ts), clock, clock
         at = watch.event_now(clock)
         watch.heard[progress.rank] = progress.ts
         newer = progress.last_step > watch.last_step.get(progress.rank, -1)
@@ -172,7 +263,11 @@ class RunWatcher:
             track = watch.tracks.get(metric)
             if track is None:
                 track = watch.tracks[metric] = _Track(rule, rule.build())
+            last = track.applied.get(progress.rank, -1)
             for step, value in zip(series.steps.tolist(), series.values.tolist()):
+                if step <= last:
+                    continue  # a replay (at-least-once), or a step this rank already gave
+                last = track.applied[progress.rank] = step
                 track.opened.setdefault(step, at)
                 track.rows.setdefault(step, {})[progress.rank] = value
             alerts += self._score_ready(watch, metric, track, at, now)
@@ -181,7 +276,7 @@ class RunWatcher:
     def tick(self, watch: RunWatch, now: float) -> list[Alert]:
         """Rows whose wait ran out, and ranks that stopped; call this on a timer."""
         alerts: list[Alert] = []
-        clock = self.outages.read(now)
+        clock = watch.clock = self.outages.read(now)
         at = watch.event_now(clock)
         for metric, track in watch.tracks.items():
             alerts += self._score_ready(watch, metric, track, at, now)

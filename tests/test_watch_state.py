@@ -1,0 +1,82 @@
+"""A run's cross-rank and stall watch survives a move between workers: stored as versioned JSON, read
+back by the next owner, and deaf to the replays at-least-once delivery brings (issue 16, goal 4)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rankwatch.contract import RankProgress, Series
+from rankwatch.stream_processors.rules import default_rules
+from rankwatch.stream_processors.runwatch import WATCH_VERSION, OutageClock, RunWatch, RunWatcher, WatchStateError
+
+
+def _progress(rank: int, step: int, world: int, t: float) -> RankProgress:
+    series = {"compute_time_s": Series(np.array([step]), np.array([t]))}
+    return RankProgress(run="r", rank=rank, world_size=world, last_step=step, ts=float(step), series=series)
+
+
+def _stream(steps: range, world: int = 4) -> list[RankProgress]:
+    """Rank 2 straggles from step 40; one progress per rank per step, stamped one step a second."""
+    rng = np.random.default_rng(1)
+    return [_progress(rank, step, world, 1.0 + 0.01 * rng.standard_normal() + (0.5 if rank == 2 and step >= 40 else 0))
+            for step in steps for rank in range(world)]
+
+
+def _identities(alerts) -> list[tuple]:
+    return [(a.key, a.status, a.incident, a.ranks) for a in alerts]
+
+
+def _moved(watch: RunWatch, *, clock: float) -> RunWatch:
+    """What the next owner reads: the changelog's JSON, decoded."""
+    return RunWatch.from_dict(json.loads(json.dumps(watch.to_dict())), rules=default_rules(), clock=clock)
+
+
+def test_a_watch_moved_mid_run_raises_the_alerts_an_unmoved_one_does():
+    stream = _stream(range(80))
+    watcher = RunWatcher(rules=default_rules(), outages=OutageClock())
+    one = RunWatch(run="r")
+    expected = [a for p in stream for a in watcher.observe(one, p, now=p.ts)]
+    assert any(a.status == "firing" and a.rank == 2 for a in expected)  # the straggler was caught
+
+    first, rest = stream[: 30 * 4], stream[30 * 4 :]  # moved after warm-up, before the straggler
+    a_watcher = RunWatcher(rules=default_rules(), outages=OutageClock())
+    watch = RunWatch(run="r")
+    got = [a for p in first for a in a_watcher.observe(watch, p, now=p.ts)]
+    b_watcher = RunWatcher(rules=default_rules(), outages=OutageClock())  # the other worker
+    moved = _moved(watch, clock=b_watcher.outages.read(60.0))
+    got += [a for p in rest for a in b_watcher.observe(moved, p, now=p.ts)]
+    assert _identities(got) == _identities(expected)
+
+
+def test_replayed_progress_changes_nothing():
+    stream = _stream(range(60))
+    watcher = RunWatcher(rules=default_rules(), outages=OutageClock())
+    watch = RunWatch(run="r")
+    for p in stream:
+        watcher.observe(watch, p, now=p.ts)
+    before = json.dumps(watch.to_dict(), sort_keys=True)
+    replays = [a for p in stream[-20:] for a in watcher.observe(watch, p, now=59.0)]
+    assert replays == [] and json.dumps(watch.to_dict(), sort_keys=True) == before
+
+
+def test_time_between_owners_is_not_silence():
+    watcher = RunWatcher(rules=default_rules(), outages=OutageClock())
+    watch = RunWatch(run="r")
+    for p in _stream(range(30)):
+        watcher.observe(watch, p, now=1000.0 + p.ts)
+    # The next owner reads it 20 s later (session timeout, join, recovery): the run's own silence is 0.
+    moved = _moved(watch, clock=1049.0)
+    assert moved.event_now(1049.0) == watch.event_now(1029.0) == pytest.approx(29.0)
+    assert watcher.tick(moved, now=1049.0) == []
+
+
+def test_an_unknown_version_is_refused_with_a_clear_error():
+    stored = RunWatch(run="r").to_dict()
+    assert stored["version"] == WATCH_VERSION
+    with pytest.raises(WatchStateError, match=r"version 99.*reads version 1"):
+        RunWatch.from_dict({**stored, "version": 99}, rules=default_rules(), clock=0.0)
+    with pytest.raises(WatchStateError, match="version None"):
+        RunWatch.from_dict({"run": "r"}, rules=default_rules(), clock=0.0)
