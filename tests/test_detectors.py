@@ -455,7 +455,7 @@ def test_ensemble_decides_exactly_when_a_member_does():
 def test_ensemble_members_are_configurable_and_validated():
     d = Ensemble(members=[["cusum", {"direction": "up"}], "spike"])
     assert [m.name for m in d.members] == ["cusum", "spike"] and d.members[0].direction == "up"
-    assert d.warmup == 20
+    assert d.warmup == 40  # the longest member's (spike)
     for bad in ([], [["crossrank", {}]], [["spike"]], ["nope"]):
         with pytest.raises(ValueError):
             Ensemble(members=bad)
