@@ -135,7 +135,7 @@ def consume_json(
                         continue  # other tests put malformed bytes on purpose
                     if isinstance(obj, dict) and predicate(obj):
                         found.append(obj)
-        return found
+        return found if until is not None else found[:count]  # one poll may bring more than asked for
     finally:
         consumer.close()
 

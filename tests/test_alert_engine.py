@@ -56,7 +56,7 @@ def own_stack(tmp_path_factory):
         yield stack
 
 
-def test_a_crashed_worker_neither_loses_nor_repeats_an_alert(own_stack, run_id):
+def test_a_crashed_worker_loses_no_alert_and_repeats_only_the_same_transition(own_stack, run_id):
     bootstrap = own_stack.bootstrap
     nan = _batch(run_id, 1, 0, "loss", [1.0, 2.0, float("nan")], world=2)
     _send(bootstrap, nan)
@@ -73,5 +73,8 @@ def test_a_crashed_worker_neither_loses_nor_repeats_an_alert(own_stack, run_id):
     assert consume_json(bootstrap, contract.ALERTS, _is(run_id, "marker"), timeout_s=60), \
         "the restarted worker is silent"
     alerts = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["metric"] == "loss",
-                          count=2, timeout_s=2)
-    assert len(alerts) == 1, alerts
+                          count=10, timeout_s=2)
+    # At least once: a worker killed after sending an alert but before its changelog write sends it
+    # again, as the same transition, which readers drop by (key, status, incident, ranks).
+    assert {(a["key"], a["status"], a["incident"], tuple(a["ranks"])) for a in alerts} == {
+        (alerts[0]["key"], "firing", alerts[0]["incident"], tuple(alerts[0]["ranks"]))}, alerts

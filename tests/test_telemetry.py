@@ -54,7 +54,7 @@ def _device_waits_in_rankwatch(device: str) -> Iterator[list[str]]:
     if torch.device(device).type != "cuda":  # a CPU tensor is on the host already: nothing to wait for
         yield waits
         return
-    thread, ours = threading.get_ident(), os.path.dirname(rankwatch.producers.__file__)
+    thread, ours = threading.get_ident(), os.path.dirname(producers.__file__)
 
     def show(message, category, filename, lineno, file=None, line=None):
         if threading.get_ident() == thread and "synchroniz" in str(message):

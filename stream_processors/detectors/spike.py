@@ -149,7 +149,7 @@ class RobustSpike(Detector):
             center = base[w:] + middle
             scale = np.maximum(scale, self._floor(center))
         else:
-            z_rows, centers, scales = [], [], []
+            centers, scales = [], []
             for rows in trailing_windows(series, w, first):
                 middle, unit = self._center_scale(rows)
                 centers.append(middle)
