@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import pytest
+from conftest import missing
 
 #: What Chromium writes to stderr (``--enable-logging=stderr``) when the page's console gets an error.
 CONSOLE_ERROR = re.compile(r"CONSOLE.*(Uncaught|Error)|Uncaught ", re.IGNORECASE)
@@ -21,7 +21,7 @@ def chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if path := shutil.which(name):
             return path
-    pytest.skip("no chromium here (make chromium, or apt-get install chromium)")
+    missing("no chromium here (make chromium, or apt-get install chromium)")
 
 
 def render(page: Path, *, timeout_s: float = 60.0) -> tuple[str, str]:

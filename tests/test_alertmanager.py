@@ -1,12 +1,11 @@
 """rankwatch's alerts in a real Prometheus Alertmanager (Debian's ``prometheus-alertmanager``, 0.25),
 started here on a free port with a short ``resolve_timeout``. `make test` installs it where apt-get
-can (CI); elsewhere these tests are skipped, or fail where $RANKWATCH_REQUIRE_ALERTMANAGER is set.
+can (CI); elsewhere these tests are skipped, or fail where $RANKWATCH_REQUIRE_ALL is set.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import threading
@@ -15,7 +14,7 @@ import urllib.request
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conftest import process_alive
+from conftest import missing, process_alive
 from kafka import KafkaProducer
 
 from rankwatch import contract
@@ -33,9 +32,7 @@ def _binary() -> str:
     found = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
     if found is None:
         why = "no Alertmanager binary (Debian: apt-get install prometheus-alertmanager; `make test` does it as root)"
-        if os.environ.get("RANKWATCH_REQUIRE_ALERTMANAGER"):
-            pytest.fail(why)
-        pytest.skip(why)
+        missing(why)
     return found
 
 

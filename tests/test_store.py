@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import missing
 from pgserver import PostgresServer, find_bin_dir
 
 from rankwatch.contract import Alert, EvalReport, Rollup
@@ -20,7 +21,7 @@ PG_BIN = find_bin_dir()
 @pytest.fixture(scope="module")
 def postgres():
     if PG_BIN is None:
-        pytest.skip("PostgreSQL's server binaries are not installed (make test installs them)")
+        missing("PostgreSQL's server binaries are not installed (make test installs them)")
     with PostgresServer(PG_BIN) as server:
         yield server
 
