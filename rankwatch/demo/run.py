@@ -2,7 +2,8 @@
 
 Broker (embedded unless a bootstrap is given) -> a Faust worker -> 4 training ranks as separate
 processes -> a NaN injected on one rank -> alerts printed as they arrive -> a summary. Exit 0 when
-the expected alert (non-finite loss on the injected rank at the injected step) arrived.
+the expected page arrived: firing on the injected rank at the injected step, with ``loss`` its
+``metric`` or among its ``metrics`` (one incident is one page since issue 18).
 """
 
 from __future__ import annotations
@@ -31,6 +32,24 @@ def _describe(report: EvalReport) -> str:
             f" on {report.n_samples} samples from {ranks}")
 
 
+def _is_expected(alert: Alert, nan_rank: int, nan_step: int) -> bool:
+    """The page that covers the injected NaN: firing, on the injected rank, starting at the injected
+    step, with ``loss`` among its metrics. Since issue 18 a NaN reaching loss, grad norm and weights is
+    one page, keyed under its first, most severe condition (``metric`` may be ``grad_norm``) and
+    listing every metric in ``metrics``; a page of one condition has ``metric`` only."""
+    metrics = set(alert.metrics) | {alert.metric}
+    ranks = set(alert.ranks) | ({alert.rank} if alert.rank is not None else set())
+    return (alert.status == "firing" and "loss" in metrics and nan_rank in ranks
+            and nan_step in (alert.incident, alert.step))
+
+
+def _page(alert: Alert) -> str:
+    metrics = ", ".join(alert.metrics or (alert.metric,))
+    ranks = ",".join(map(str, alert.ranks)) if alert.ranks else str(alert.rank)
+    return (f"{alert.severity} {alert.detector}/{alert.metric} page at step {alert.incident or alert.step} "
+            f"on rank(s) {ranks}, metrics [{metrics}]")
+
+
 def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int = 200,
              nan_step: int = 120, nan_rank: int = 2, wait_s: float = 20.0) -> int:
     started = time.monotonic()
@@ -40,6 +59,7 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
         where = f"embedded broker (memory only) at {stack.bootstrap}" if embedded else f"broker at {stack.bootstrap}"
         print(f"  {where}; worker ready after {time.monotonic() - started:.1f}s")
         seen: list[Alert] = []
+        matched: list[Alert] = []
         expected = threading.Event()
         stop = threading.Event()
         sink = TerminalSink()
@@ -54,8 +74,9 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
                 seen.append(alert)
                 sink.add(alert)
                 sink.flush()
-                if (alert.detector, alert.metric, alert.incident, alert.status) == (
-                        "nonfinite", "loss", nan_step, "firing") and nan_rank in alert.ranks:
+                if not expected.is_set() and _is_expected(alert, nan_rank, nan_step):
+                    matched.append(alert)
+                    print(f"  ^ the injected NaN: {_page(alert)}", flush=True)
                     expected.set()
 
         reports: dict[str, EvalReport] = {}
@@ -103,7 +124,7 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
           f"ranks exited {codes}")
     print(f"stored in the report store: rankwatch report --run {run}  (rollups, eval reports, alerts)")
     if expected.is_set():
-        print(f"OK: the injected NaN (rank {nan_rank}, step {nan_step}) was detected")
+        print(f"OK: the injected NaN (rank {nan_rank}, step {nan_step}) was detected: {_page(matched[0])}")
         return 0
-    print(f"FAILED: no non-finite loss alert for rank {nan_rank} at step {nan_step}")
+    print(f"FAILED: no firing page covering loss for rank {nan_rank} at step {nan_step}")
     return 1
