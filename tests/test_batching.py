@@ -3,7 +3,8 @@
 Replayed without a broker by ``bench/scenario_replay.py``, which makes the worker's calls in the
 worker's order: once one message at a time, once ``take`` messages at a time, on telemetry of many
 simulated ranks with faults (a NaN, a spike, a straggler, a rank that hangs) and, where the
-recorded corpus of real training runs is present, on those recordings too.
+recorded corpus of real training runs is present, on those recordings too, with faults written
+into them (the recordings are clean, and a comparison without alerts means nothing).
 """
 
 from __future__ import annotations
@@ -44,6 +45,43 @@ def _sim_scenario() -> tuple[str, list[TelemetryBatch]]:
     return sim.run, batches
 
 
+def _with_faults(batches: list[TelemetryBatch]) -> list[TelemetryBatch]:
+    """The recorded (clean) series with faults written in, so the detectors have something to say:
+    a NaN loss on the first rank at 2/5 of the run, a 100x loss spike on the last rank at 3/5 and,
+    with two ranks or more, the last rank a straggler (10x compute time) for 20 steps from 4/5.
+    The recordings are clean and the detectors rightly raise nothing on them (issue 18); without
+    faults the batched and one-by-one paths would agree on nothing at all."""
+    ranks = sorted({b.rank for b in batches})
+    steps = sorted({int(s) for b in batches if "loss" in b.series for s in b.series["loss"].steps})
+    if not steps:
+        return batches
+    nan_step, spike_step = steps[len(steps) * 2 // 5], steps[len(steps) * 3 // 5]
+    slow = steps[len(steps) * 4 // 5:][:20]
+    first, last = ranks[0], ranks[-1]
+
+    def edit(batch: TelemetryBatch) -> TelemetryBatch:
+        series = dict(batch.series)
+
+        def change(name: str, at: list[int], how) -> None:
+            s = series.get(name)
+            mask = np.isin(s.steps, at) if s is not None else None
+            if mask is not None and mask.any():
+                values = s.values.copy()
+                values[mask] = how(values[mask])
+                series[name] = Series(s.steps, values)
+
+        if batch.rank == first:
+            change("loss", [nan_step], lambda v: np.nan)
+        if batch.rank == last:
+            change("loss", [spike_step], lambda v: v * 100.0)
+            if len(ranks) > 1:
+                change("compute_time_s", slow, lambda v: v * 10.0)
+        changed = any(series[n] is not batch.series[n] for n in series)
+        return dataclasses.replace(batch, series=series) if changed else batch
+
+    return [edit(b) for b in batches]
+
+
 def _corpus_scenarios() -> list[tuple[str, list[TelemetryBatch]]]:
     from scenario_runs import read_batches
 
@@ -51,7 +89,7 @@ def _corpus_scenarios() -> list[tuple[str, list[TelemetryBatch]]]:
     for run_dir in sorted(CORPUS.glob("*/"))[:4] if CORPUS.is_dir() else []:
         batches = [b for f in sorted(run_dir.glob("rank*.bin")) for b in read_batches(f)]
         if batches:
-            out.append((batches[0].run, batches))
+            out.append((batches[0].run, _with_faults(batches)))
     return out
 
 
