@@ -24,7 +24,7 @@ from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
 DESCRIPTION = """\
 rankwatch: streaming monitor for distributed training.
 
-Training ranks publish telemetry to Kafka (rankwatch.producers.RankPublisher / TrainerHook); Faust workers
+Training ranks publish telemetry to Kafka (rankwatch.RankPublisher / TrainerHook); Faust workers
 detect anomalies and publish alerts to the topic rankwatch.alerts, readable by any Kafka client.
 
 The broker address comes from --bootstrap, else $RANKWATCH_BOOTSTRAP, else 127.0.0.1:9092.
