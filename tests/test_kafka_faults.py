@@ -178,6 +178,10 @@ def _outcome(bootstrap: str, run: str, world: int = WORLD) -> tuple[dict, dict, 
     without the run id and send times, and the identities that were sent more than once."""
     windows = {(r, start) for r in range(world) for start in range(0, SERIES_STEPS, ROLLUP)}
     rollups = _rollups_of(bootstrap, run, windows)
+    # Stage 2 runs behind stage 1 (and recovers its tables after a takeover): the rollups being in
+    # says nothing about the alerts, so wait for the NaN's, which every scenario here raises.
+    assert consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run and a["detector"] == "nonfinite",
+                        timeout_s=90), "the NaN raised no alert"
     time.sleep(3)  # the grouping wait (tests/rules.toml: 2 s) of the last alerts
     alerts = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run, count=10**9, timeout_s=5)
 
@@ -197,28 +201,6 @@ def _outcome(bootstrap: str, run: str, world: int = WORLD) -> tuple[dict, dict, 
 def _kill(worker) -> None:
     worker.proc.kill()  # no commit, no leave, no changelog flush: a crash
     worker.proc.wait()
-
-
-def test_a_worker_killed_mid_stream_and_restarted_reports_and_alerts_as_an_uninterrupted_run(cluster_stack, run_id):
-    bootstrap = cluster_stack.bootstrap
-    calm, crashed = f"{run_id}-calm", f"{run_id}-crash"
-    _send(bootstrap, _telemetry(calm))
-    calm_rollups, calm_alerts, _ = _outcome(bootstrap, calm)
-    assert any('"nonfinite"' in a and f'"step": {NAN_STEP}' in a for a in calm_alerts.values()), calm_alerts
-
-    batches = _telemetry(crashed)
-    half = len(batches) // 2
-    _send(bootstrap, batches[:half])
-    _rollups_of(bootstrap, crashed, {(r, 0) for r in range(WORLD)})  # mid-stream: it is working on this run
-    for worker in cluster_stack.workers:
-        _kill(worker)
-    _send(bootstrap, batches[half:])
-    cluster_stack.start_workers()
-    rollups, alerts, doubled = _outcome(bootstrap, crashed)
-
-    print(f"sent again after the crash: {len(doubled)} identities {sorted(doubled)[:5]}")
-    assert rollups == calm_rollups
-    assert alerts == calm_alerts
 
 
 def _telemetry_partitions(worker) -> list[int]:
