@@ -77,7 +77,7 @@ def read_topic(
                 yield from got.get(tp, ())
             if on_poll is not None:
                 on_poll()
-            if not follow and not got and _caught_up(consumer, tps):
+            if not follow and not got and caught_up(consumer, tps):
                 return
     finally:
         consumer.close()
@@ -107,7 +107,9 @@ def end_offsets(consumer: KafkaConsumer, tps: list[TopicPartition], timeout_s: f
     return fixed
 
 
-def _caught_up(consumer: KafkaConsumer, tps: list[TopicPartition]) -> bool:
+def caught_up(consumer: KafkaConsumer, tps: list[TopicPartition]) -> bool:
+    """Whether the consumer has read every partition to the high watermark Fetch responses carry
+    (not ListOffsets, which the embedded broker answers wrongly)."""
     for tp in tps:
         high = consumer.highwater(tp)
         if high is None or consumer.position(tp) < high:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from kafka import KafkaConsumer, TopicPartition
 
 from rankwatch import contract
+from rankwatch.sinks.reader import caught_up
 from rankwatch.sinks.store import ReportStore, WriteResult
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class StoreSink:
                     self.written += len(records)
                     if self.on_write:
                         self.on_write(result)
-                elif not follow and _caught_up(consumer, assigned):
+                elif not follow and caught_up(consumer, assigned):
                     return
         finally:
             consumer.close()
@@ -99,12 +100,3 @@ class StoreSink:
     @staticmethod
     def _all_topics(tps: list[TopicPartition]) -> bool:
         return {tp.topic for tp in tps} == set(TOPICS)
-
-
-def _caught_up(consumer: KafkaConsumer, tps: list[TopicPartition]) -> bool:
-    # The high watermark from Fetch responses, not ListOffsets (wrong on the embedded broker).
-    for tp in tps:
-        high = consumer.highwater(tp)
-        if high is None or consumer.position(tp) < high:
-            return False
-    return True
