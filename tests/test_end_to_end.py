@@ -150,14 +150,15 @@ def test_log_without_a_broker_returns_at_once_and_never_raises():
     from rankwatch.broker import free_port
 
     publisher = RankPublisher(run="nobroker", rank=0, world_size=1, bootstrap=f"127.0.0.1:{free_port()}",
-                              connect_timeout_s=0.5, drain_s=0)
+                              connect_timeout_s=60, drain_s=0)
     started = time.perf_counter()
     for step in range(10_000):
         publisher.log({"loss": 1.0, "grad_norm": 2.0}, step)
     elapsed = time.perf_counter() - started
     publisher.close(timeout_s=2)
     stats = publisher.stats()
-    # A blocking log() would wait on the connect timeout (0.5 s) at least once.
-    assert elapsed < 0.5, elapsed
+    # A log() that waited on the broker would wait out the 60 s connect timeout at least once;
+    # the margin is wide so a loaded machine cannot fail it.
+    assert elapsed < 30, elapsed
     assert stats.logged == 10_000 and stats.sent == 0 and stats.failed == stats.dropped == 0
     assert stats.spooled > 0  # nothing lost: it waits in the spool for a broker
