@@ -1,0 +1,429 @@
+"""compose/ checked without Docker (there is no engine here or in CI): what can be proved from its files.
+
+- The brokers run kafka/cluster.properties, the settings the 3-broker fault tests run on: the file is
+  mounted as the image's server.properties, and the per-node ``KAFKA_*`` variables, turned into
+  properties the way the apache/kafka image does, set only the per-node keys that
+  ``rankwatch.kafka_broker.KafkaNode`` adds, never a cluster-wide one.
+- Every rankwatch service's command line parses with rankwatch's own argument parser, and every
+  ``RANKWATCH_*`` variable is one rankwatch reads.
+- The wiring: workers' bootstrap and replication, serve's token and Prometheus' credentials,
+  notify's Alertmanager URL, Grafana's datasource and dashboard folder, the Alertmanager config (amtool).
+- Every series, label and label value the Grafana dashboard queries is exported by a real
+  ``rankwatch serve`` (run with compose's own arguments) over a real store holding rollups and a
+  firing alert, scraped with the bearer token as Prometheus sends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from conftest import missing
+from prometheus_client.parser import text_string_to_metric_families
+from test_store import _window_rollup, alert, records, report
+
+from rankwatch.cli import build_parser
+from rankwatch.contract.alerts import SEVERITIES
+from rankwatch.kafka_broker import KafkaNode, read_properties
+from rankwatch.settings import Settings, env_name
+from rankwatch.sinks.alertmanager import api_url
+from rankwatch.sinks.api import is_loopback
+from rankwatch.sinks.store import ReportStore
+from rankwatch.sinks.webhook import ALERTMANAGER_API
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_DIR = ROOT / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+CLUSTER_PROPERTIES = ROOT / "kafka" / "cluster.properties"
+SERVER_PROPERTIES = "/mnt/shared/config/server.properties"  # where the apache/kafka image reads a mounted file
+DASHBOARD = COMPOSE_DIR / "grafana" / "dashboards" / "rankwatch.json"
+DATASOURCES = COMPOSE_DIR / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+DASHBOARD_PROVIDERS = COMPOSE_DIR / "grafana" / "provisioning" / "dashboards" / "rankwatch.yml"
+PROMETHEUS = COMPOSE_DIR / "prometheus" / "prometheus.yml"
+ALERTMANAGER = COMPOSE_DIR / "alertmanager" / "alertmanager.yml"
+# The image's KafkaDockerWrapper turns every KAFKA_* variable into a property, except these.
+KAFKA_ENV_NOT_PROPERTIES = {"KAFKA_VERSION", "KAFKA_HEAP_OPTS", "KAFKA_LOG4J_OPTS", "KAFKA_OPTS", "KAFKA_JMX_OPTS",
+                            "KAFKA_JVM_PERFORMANCE_OPTS", "KAFKA_GC_LOG_OPTS", "KAFKA_LOG4J_ROOT_LOGLEVEL",
+                            "KAFKA_LOG4J_LOGGERS", "KAFKA_TOOLS_LOG4J_LOGLEVEL", "KAFKA_JMX_HOSTNAME"}
+
+
+# --- reading the compose file as Compose does ------------------------------------------------------
+
+def interpolate(value, env: dict[str, str] | None = None) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?error}`` with ``env`` (default: nothing set);
+    a required variable that is unset raises KeyError."""
+    env = env or {}
+
+    def one(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise KeyError(f"${{{name}}} is required: {arg}")
+        return arg if op == ":-" else ""
+
+    return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", one, str(value))
+
+
+def kafka_env_to_properties(environment: dict) -> dict[str, str]:
+    """What the apache/kafka image appends to server.properties for these variables (its rule:
+    KAFKA_ stripped, lower case, ``_`` -> ``.``, ``___`` -> ``-``, ``__`` -> ``_``)."""
+    props = {}
+    for key, value in environment.items():
+        if key.startswith("KAFKA_") and key not in KAFKA_ENV_NOT_PROPERTIES:
+            name = key.removeprefix("KAFKA_").lower().replace("_", ".").replace("...", "-").replace("..", "_")
+            props[name] = interpolate(value)
+    return props
+
+
+def bind_source(volume: str) -> Path | None:
+    source = volume.split(":")[0]
+    return (COMPOSE_DIR / source).resolve() if source.startswith((".", "/")) else None
+
+
+def mounted_at(service: dict, source: Path) -> list[str]:
+    return [v.split(":")[1] for v in service.get("volumes", []) if bind_source(v) == source.resolve()]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict[str, dict]:
+    return compose["services"]
+
+
+def brokers(services) -> dict[str, dict]:
+    return {name: s for name, s in services.items() if s.get("image", "").startswith("apache/kafka:")}
+
+
+def rankwatch_services(services) -> dict[str, dict]:
+    return {name: s for name, s in services.items() if s.get("build", {}).get("dockerfile") == "compose/Dockerfile"}
+
+
+def parse_command(service: dict):
+    return build_parser().parse_args([interpolate(a) for a in service["command"]])
+
+
+# --- the files ---------------------------------------------------------------------------------------
+
+def test_the_compose_files_parse_and_every_mounted_file_exists(compose, services):
+    assert {"kafka-1", "kafka-2", "kafka-3", "worker", "store", "serve", "notify", "alertmanager", "prometheus",
+            "grafana"} <= set(services)
+    for name, service in services.items():
+        assert service.get("image"), f"{name} names no image"
+        for volume in service.get("volumes", []):
+            source = bind_source(volume)
+            named = volume.split(":")[0]
+            assert source.exists() if source else named in compose["volumes"], f"{name}: {volume} mounts nothing"
+    for path in (PROMETHEUS, ALERTMANAGER, DATASOURCES, DASHBOARD_PROVIDERS):
+        assert isinstance(yaml.safe_load(path.read_text()), dict), path
+    assert json.loads(DASHBOARD.read_text())["panels"]
+
+
+# --- brokers -----------------------------------------------------------------------------------------
+
+def test_brokers_run_kafka_cluster_properties_key_by_key(services):
+    cluster = read_properties(CLUSTER_PROPERTIES)
+    nodes = brokers(services)
+    assert len(nodes) == 3
+    pom = ET.parse(ROOT / "kafka" / "pom.xml").getroot()
+    kafka_version = pom.find("m:properties/m:kafka.version", {"m": "http://maven.apache.org/POM/4.0.0"}).text
+    # What KafkaNode adds to cluster.properties per node: the only keys compose may set per node.
+    per_node = set(KafkaNode(node_id=1, host="h", port=1, controller_port=2, voters="1@h:2", node_dir=Path("n"),
+                             config={}).properties)
+    assert not per_node & set(cluster)
+    effective = {}
+    for name, service in nodes.items():
+        assert service["image"] == f"apache/kafka:{kafka_version}", "the image runs the Kafka the fault tests run"
+        assert mounted_at(service, CLUSTER_PROPERTIES) == [SERVER_PROPERTIES], f"{name} must mount cluster.properties"
+        env_props = kafka_env_to_properties(service["environment"])
+        assert set(env_props) == per_node, f"{name}: per-node keys differ from KafkaNode's: {set(env_props) ^ per_node}"
+        # the image appends the variables to the mounted file: a later key wins, as in java.util.Properties
+        effective[name] = {**read_properties(CLUSTER_PROPERTIES), **env_props}
+        for key, value in cluster.items():
+            assert effective[name][key] == value, f"{name}: {key}={effective[name][key]}, cluster.properties says {value}"
+        assert effective[name]["process.roles"] == "broker,controller"
+        assert effective[name]["advertised.listeners"].split(",")[0] == f"PLAINTEXT://{service['hostname']}:9092"
+    voters = {p["controller.quorum.voters"] for p in effective.values()}
+    assert len(voters) == 1, "one quorum"
+    expected = ",".join(f"{p['node.id']}@{nodes[n]['hostname']}:9093" for n, p in sorted(effective.items()))
+    assert voters == {expected}
+    assert sorted(int(p["node.id"]) for p in effective.values()) == [1, 2, 3]
+    assert len({interpolate(s["environment"]["CLUSTER_ID"]) for s in nodes.values()}) == 1
+    # One broker may die without losing an acknowledged write.
+    replicas, min_isr = int(cluster["default.replication.factor"]), int(cluster["min.insync.replicas"])
+    assert (replicas, min_isr) == (3, 2) and len(nodes) >= replicas
+
+
+def test_the_broker_parity_check_catches_an_override(services):
+    """A KAFKA_* variable for a cluster-wide key would silently win over cluster.properties."""
+    service = next(iter(brokers(services).values()))
+    env = {**service["environment"], "KAFKA_MIN_INSYNC_REPLICAS": "1"}
+    props = kafka_env_to_properties(env)
+    assert props["min.insync.replicas"] == "1" and "min.insync.replicas" in read_properties(CLUSTER_PROPERTIES)
+    assert kafka_env_to_properties({"KAFKA_A__B___C_D": "x"}) == {"a_b-c.d": "x"}
+
+
+def test_rankwatch_topics_get_the_clusters_replication_and_reach_every_broker(services):
+    cluster = read_properties(CLUSTER_PROPERTIES)
+    internal = sorted(f"{s['hostname']}:9092" for s in brokers(services).values())
+    for name, service in rankwatch_services(services).items():
+        env = service["environment"]
+        if name in ("worker", "store", "notify"):  # the ones that connect to Kafka
+            assert sorted(interpolate(env["RANKWATCH_BOOTSTRAP"]).split(",")) == internal, name
+            assert interpolate(env["RANKWATCH_BROKER_FLAVOR"]) == "kafka"
+        assert int(interpolate(env["RANKWATCH_REPLICATION_FACTOR"])) == int(cluster["default.replication.factor"])
+    worker = services["worker"]
+    partitions = int(interpolate(worker["environment"]["RANKWATCH_PARTITIONS"]))
+    assert 2 <= worker["deploy"]["replicas"] <= partitions, "more workers than partitions sit idle"
+
+
+# --- rankwatch command lines -------------------------------------------------------------------------
+
+def test_every_rankwatch_command_parses_with_rankwatchs_own_parser(services):
+    dockerfile = (COMPOSE_DIR / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["rankwatch"]' in dockerfile
+    settings_vars = {env_name(f) for f in Settings.__dataclass_fields__}
+    sources = "".join(p.read_text() for d in ("rankwatch", "sinks") for p in (ROOT / d).rglob("*.py"))
+    ran = set()
+    for name, service in rankwatch_services(services).items():
+        assert "entrypoint" not in service
+        try:
+            args = parse_command(service)
+        except SystemExit:
+            pytest.fail(f"{name}: `rankwatch {' '.join(service['command'])}` is not a valid command line")
+        ran.add(args.command)
+        for var in service["environment"]:
+            if var.startswith("RANKWATCH_"):  # a setting, or a variable the CLI reads by name
+                assert var in settings_vars or f'"{var}"' in sources, f"{name}: rankwatch never reads {var}"
+    assert ran == {"worker", "store", "serve", "notify"}
+    others = set(services) - set(rankwatch_services(services))
+    assert not [name for name in others if "command" in services[name] or "entrypoint" in services[name]], \
+        "the other images run their own default command, so no command line here goes unchecked"
+
+
+def test_the_command_check_catches_an_invented_flag():
+    with pytest.raises(SystemExit):
+        parse_command({"command": ["serve", "--bind", "0.0.0.0"]})
+    with pytest.raises(SystemExit):
+        parse_command({"command": ["sink"]})
+
+
+def test_serve_is_reachable_only_with_the_token_prometheus_sends(compose, services):
+    serve = services["serve"]
+    args = parse_command(serve)
+    assert not is_loopback(args.host), "Prometheus and the host reach serve from other containers"
+    token_value = serve["environment"]["RANKWATCH_API_TOKEN"]
+    with pytest.raises(KeyError):
+        interpolate(token_value)  # `docker compose up` refuses to start without a token
+    assert interpolate(token_value, {"RANKWATCH_API_TOKEN": "t"}) == "t"
+    [secret] = services["prometheus"]["secrets"]
+    assert compose["secrets"][secret] == {"environment": "RANKWATCH_API_TOKEN"}
+    prometheus = yaml.safe_load(PROMETHEUS.read_text())
+    assert mounted_at(services["prometheus"], PROMETHEUS) == ["/etc/prometheus/prometheus.yml"]
+    [job] = prometheus["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": f"/run/secrets/{secret}"}
+    assert job["static_configs"] == [{"targets": [f"serve:{args.port}"]}]
+    assert interpolate(serve["environment"]["RANKWATCH_STORE_URL"]) == \
+        interpolate(services["store"]["environment"]["RANKWATCH_STORE_URL"])
+    assert set(serve["volumes"]) == set(services["store"]["volumes"]), "serve reads the store's volume"
+
+
+def test_notify_posts_to_alertmanagers_api_and_its_config_is_valid(services):
+    notify = services["notify"]
+    args = parse_command(notify)
+    assert args.webhook and args.format in ALERTMANAGER_API
+    url = interpolate(notify["environment"]["RANKWATCH_WEBHOOK_URL"])
+    assert urlsplit(url).netloc == "alertmanager:9093"
+    assert api_url(url) == "http://alertmanager:9093/api/v2/alerts"
+    assert mounted_at(services["alertmanager"], ALERTMANAGER) == ["/etc/alertmanager/alertmanager.yml"]
+    assert args.state and args.state.startswith(tuple(v.split(":")[1] for v in notify["volumes"])), \
+        "the read position survives a restart"
+    # The labels the config groups, routes and inhibits on are labels rankwatch's alerts carry.
+    labels = {"alertname", "run", "detector", "metric", "severity", "rank"}  # sinks/webhook.py alert_labels
+    config = yaml.safe_load(ALERTMANAGER.read_text())
+    assert set(config["route"]["group_by"]) <= labels
+    matchers = [m for r in config["route"].get("routes", []) for m in r.get("matchers", [])]
+    matchers += [m for r in config.get("inhibit_rules", []) for k in ("source_matchers", "target_matchers")
+                 for m in r[k]]
+    for matcher in matchers:
+        label, value = re.fullmatch(r'(\w+)="([^"]*)"', matcher).groups()
+        assert label in labels and (label != "severity" or value in SEVERITIES), matcher
+    for rule in config.get("inhibit_rules", []):
+        assert set(rule["equal"]) <= labels
+    amtool = shutil.which("amtool")
+    if amtool is None:
+        missing("no amtool (Debian's prometheus-alertmanager; `make test` installs it as root)")
+    done = subprocess.run([amtool, "check-config", str(ALERTMANAGER)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_grafana_provisions_the_datasource_and_the_dashboard(services):
+    grafana = services["grafana"]
+    provisioning = mounted_at(grafana, COMPOSE_DIR / "grafana" / "provisioning")
+    assert provisioning == ["/etc/grafana/provisioning"]
+    [datasource] = yaml.safe_load(DATASOURCES.read_text())["datasources"]
+    assert (datasource["type"], datasource["url"]) == ("prometheus", "http://prometheus:9090")
+    assert "prometheus" in services
+    [provider] = yaml.safe_load(DASHBOARD_PROVIDERS.read_text())["providers"]
+    assert mounted_at(grafana, DASHBOARD.parent) == [provider["options"]["path"]]
+    home = interpolate(grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    assert home == f"{provider['options']['path']}/{DASHBOARD.name}"
+    dashboard = json.loads(DASHBOARD.read_text())
+    uids = {datasource["uid"]}
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] in uids, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] in uids, panel["title"]
+    for variable in dashboard["templating"]["list"]:
+        assert variable["datasource"]["uid"] in uids, variable["name"]
+
+
+# --- the dashboard's queries against a real `rankwatch serve` ---------------------------------------
+
+AGGREGATIONS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk", "topk",
+                "quantile", "limitk", "limit_ratio"}
+GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
+OPERATOR_WORDS = {"and", "or", "unless", "bool", "offset", "atan2"}
+TOKEN = re.compile(r"""
+    (?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')
+  | (?P<braces>\{[^{}]*\})
+  | (?P<range>\[[^\]]*\])
+  | (?P<number>\d+(?:\.\d+)?(?:[eE][+-]?\d+)?[a-zA-Z]*)
+  | (?P<ident>[A-Za-z_:][A-Za-z0-9_:]*)
+  | (?P<space>\s+)
+  | (?P<other>.)""", re.X)
+MATCHER = re.compile(r'([A-Za-z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+GRAFANA_VAR = re.compile(r"\$\{\w+(?::\w+)?\}|\$\w+|\[\[\w+\]\]")
+
+
+def query_problems(expr: str, exported: dict[str, list[dict[str, str]]], legend: str = "") -> list[str]:
+    """What in a PromQL query names something ``exported`` lacks: a series with no samples, a label no
+    sample of it has, a literal label value none has, a grouping or legend label none of its series has.
+    ``exported`` maps each series to its samples' label sets."""
+    tokens = [(m.lastgroup, m.group()) for m in TOKEN.finditer(GRAFANA_VAR.sub("GRAFANA_VAR", expr))
+              if m.lastgroup != "space"]
+    problems, labels_seen, grouping = [], set(), set()
+    i = 0
+    while i < len(tokens):
+        kind, text = tokens[i]
+        after = tokens[i + 1] if i + 1 < len(tokens) else (None, None)
+        if kind == "braces":
+            problems.append(f"{expr!r}: a selector without a series name: {text}")
+        elif kind == "ident" and text in GROUPING and after[1] == "(":
+            close = next(j for j in range(i + 1, len(tokens)) if tokens[j][1] == ")")
+            grouping |= {t for k, t in tokens[i + 2:close] if k == "ident"}
+            i = close
+        elif kind == "ident" and text not in AGGREGATIONS | OPERATOR_WORDS and after[1] != "(":
+            samples = exported.get(text, [])
+            if not samples:
+                problems.append(f"{expr!r}: no series {text} in rankwatch serve's /metrics")
+            labels_seen |= {k for s in samples for k in s}
+            matchers = []
+            if after[0] == "braces":
+                matchers = MATCHER.findall(after[1])
+                i += 1  # the braces belong to this series
+            for label, op, value in matchers:
+                having = [s for s in samples if label in s]
+                if samples and not having:
+                    problems.append(f"{expr!r}: {text} has no label {label}")
+                elif "GRAFANA_VAR" not in value and op in ("=", "!=") and having and \
+                        not any((s[label] == value) == (op == "=") for s in having):
+                    problems.append(f"{expr!r}: no sample of {text} has {label}{op}{value!r}")
+        i += 1
+    for label in grouping | set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend)):
+        if label not in labels_seen:
+            problems.append(f"{expr!r}: label {label} (grouping or legend) is on none of its series")
+    return problems
+
+
+def dashboard_queries(dashboard: dict) -> list[tuple[str, str, str]]:
+    """(where, PromQL, legend) for every panel target and every query variable."""
+    found = [(f"panel {p['title']!r}", t["expr"], t.get("legendFormat", "")) for p in dashboard["panels"]
+             for t in p.get("targets", [])]
+    for variable in dashboard["templating"]["list"]:
+        query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+        m = re.fullmatch(r"\s*label_values\((.+),\s*(\w+)\s*\)\s*", query)
+        assert m, f"variable {variable['name']}: only label_values(series, label) queries are checked: {query}"
+        found.append((f"variable {variable['name']!r}", m.group(1), f"{{{{{m.group(2)}}}}}"))
+    return found
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    """A real report store with rollups of 4 ranks over two windows, an eval report and a firing alert."""
+    path = str(tmp_path_factory.mktemp("compose-store") / "store.db")
+    store = ReportStore(path)
+    rollups = [_window_rollup("r1", rank, [1.0 + rank, 2.0 + rank, float("nan")], start=start, world=4)
+               for rank in range(4) for start in (0, 100)]
+    store.write(records(*rollups, report(run="r1")))
+    store.write(records(alert(run="r1", ts=time.time()), topic="rankwatch.alerts"))
+    store.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(services, store_path) -> dict[str, list[dict[str, str]]]:
+    """rankwatch serve, started with compose's own arguments (bound to loopback on a free port), scraped
+    the way Prometheus scrapes it: with the bearer token."""
+    token = "compose-test-token"
+    argv = [interpolate(a) for a in services["serve"]["command"]]
+    proc = subprocess.Popen([sys.executable, "-m", "rankwatch", *argv, "--host", "127.0.0.1", "--port", "0",
+                             "--store", store_path], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "RANKWATCH_API_TOKEN": token})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("rankwatch serve: http://127.0.0.1:") and "bearer token required" in line, line
+        url = line.split()[2].rstrip("/") + "/metrics"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url, timeout=30)
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            text = response.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    series: dict[str, list[dict[str, str]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series.setdefault(sample.name, []).append(dict(sample.labels))
+    return series
+
+
+def test_every_series_the_dashboard_queries_is_exported_by_rankwatch_serve(exported):
+    assert exported["rankwatch_alert_firing"], "the store's firing alert is exported"
+    queries = dashboard_queries(json.loads(DASHBOARD.read_text()))
+    assert len(queries) >= 10
+    problems = [f"{where}: {p}" for where, expr, legend in queries for p in query_problems(expr, exported, legend)]
+    assert problems == []
+    used = {name for _, expr, _ in queries for name in re.findall(r"rankwatch_\w+", expr)}
+    assert {"rankwatch_alert_firing", "rankwatch_rollup_mean", "rankwatch_rollup_p99",
+            "rankwatch_rollup_nonfinite", "rankwatch_rollup_last_step"} <= used
+
+
+def test_the_dashboard_check_fails_on_a_missing_series_label_or_value(exported):
+    assert query_problems('rankwatch_rollup_median{run=~"$run"}', exported)  # no such series
+    assert query_problems('rankwatch_rollup_mean{host="a"}', exported)  # no such label
+    assert query_problems('rankwatch_rollup_mean{rank="merged"}', exported)  # no such value
+    assert query_problems('sum by (node) (rankwatch_rollup_mean)', exported)  # grouping on a missing label
+    assert query_problems("rankwatch_rollup_mean", exported, legend="{{host}}")  # legend on a missing label
+    assert query_problems('{__name__="rankwatch_rollup_mean"}', exported)  # unchecked form
+    assert not query_problems('max by (run) (rankwatch_rollup_last_step{run=~"${run}", rank="all"}) or vector(0)',
+                              exported, legend="{{run}}")
