@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_store import _window_rollup, alert, records, report
 
 from rankwatch.cli import build_parser
+from rankwatch.contract import INTERNAL_TOPICS, TOPICS
 from rankwatch.contract.alerts import SEVERITIES
 from rankwatch.kafka_broker import KafkaNode, read_properties
 from rankwatch.settings import Settings, env_name
@@ -108,7 +109,8 @@ def services(compose) -> dict[str, dict]:
 
 
 def brokers(services) -> dict[str, dict]:
-    return {name: s for name, s in services.items() if s.get("image", "").startswith("apache/kafka:")}
+    return {name: s for name, s in services.items()
+            if s.get("image", "").startswith("apache/kafka:") and "KAFKA_NODE_ID" in s.get("environment", {})}
 
 
 def rankwatch_services(services) -> dict[str, dict]:
@@ -193,6 +195,21 @@ def test_rankwatch_topics_get_the_clusters_replication_and_reach_every_broker(se
     assert 2 <= worker["deploy"]["replicas"] <= partitions, "more workers than partitions sit idle"
 
 
+def test_the_topics_job_creates_every_rankwatch_topic_as_the_workers_would_before_they_start(services):
+    job, worker = services["topics"], services["worker"]
+    assert job["image"] == next(iter(brokers(services).values()))["image"]
+    assert job["environment"]["TOPICS"].split() == [*TOPICS, *INTERNAL_TOPICS]
+    for var in ("RANKWATCH_BOOTSTRAP", "RANKWATCH_PARTITIONS", "RANKWATCH_REPLICATION_FACTOR"):
+        assert job["environment"][var] == worker["environment"][var], var
+    script = " ".join(job["command"])
+    for flag in ('--bootstrap-server "$$RANKWATCH_BOOTSTRAP" --create --if-not-exists', '--topic "$$topic"',
+                 '--partitions "$$RANKWATCH_PARTITIONS"', '--replication-factor "$$RANKWATCH_REPLICATION_FACTOR"'):
+        assert flag in script
+    assert "for topic in $$TOPICS; do" in script
+    for name in ("worker", "store", "notify"):
+        assert services[name]["depends_on"]["topics"] == {"condition": "service_completed_successfully"}, name
+
+
 # --- rankwatch command lines -------------------------------------------------------------------------
 
 def test_every_rankwatch_command_parses_with_rankwatchs_own_parser(services):
@@ -212,7 +229,7 @@ def test_every_rankwatch_command_parses_with_rankwatchs_own_parser(services):
             if var.startswith("RANKWATCH_"):  # a setting, or a variable the CLI reads by name
                 assert var in settings_vars or f'"{var}"' in sources, f"{name}: rankwatch never reads {var}"
     assert ran == {"worker", "store", "serve", "notify"}
-    others = set(services) - set(rankwatch_services(services))
+    others = set(services) - set(rankwatch_services(services)) - {"topics"}  # topics: the test below
     assert not [name for name in others if "command" in services[name] or "entrypoint" in services[name]], \
         "the other images run their own default command, so no command line here goes unchecked"
 
