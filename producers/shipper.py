@@ -52,7 +52,9 @@ def kafka_config(bootstrap: str, connect_timeout_s: float, overrides: Mapping[st
     config = {
         "bootstrap_servers": bootstrap,
         "client_id": "rankwatch-shipper",
-        "acks": 1,
+        # Kafka's own default since 3.0: a message counts as sent once min.insync.replicas hold it, so
+        # losing the partition leader loses nothing the spool already let go of. Training never waits on it.
+        "acks": "all",
         # Spooled messages are batches of many steps already; kafka-python's metrics only cost CPU.
         "linger_ms": 0,
         "metrics_enabled": False,

@@ -64,7 +64,7 @@ def test_a_partition_leader_killed_while_ranks_publish_loses_and_doubles_nothing
     leader = _leader(cluster.bootstrap, contract.TELEMETRY, partition)
     node = next(i for i, n in enumerate(cluster.nodes) if n.node_id == leader)
     publishers = [RankPublisher(run=run_id, rank=r, world_size=WORLD, bootstrap=cluster.bootstrap, linger_s=0.05,
-                                samplers=[], spool_dir=tmp_path, producer_config={"acks": "all"})
+                                samplers=[], spool_dir=tmp_path)
                   for r in range(WORLD)]
     try:
         for step in range(STEPS):
