@@ -295,7 +295,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     embedded = _wants_embedded(args, os.environ.get("RANKWATCH_BOOTSTRAP"))
     try:
         return run_demo(settings, embedded=embedded, ranks=args.ranks, steps=args.steps,
-                        nan_step=args.nan_step, nan_rank=args.nan_rank)
+                        nan_step=args.nan_step, nan_rank=args.nan_rank, lr=args.lr, run=args.run)
     except KeyboardInterrupt:
         return 130
 
@@ -392,8 +392,11 @@ def build_parser() -> argparse.ArgumentParser:
     bootstrap(p, "; given, no embedded broker is started")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--nan-step", type=int, default=120)
+    p.add_argument("--nan-step", type=int, default=120, help="step of the injected NaN (default 120; -1: none)")
     p.add_argument("--nan-rank", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1); demo runs with different "
+                   "ones can be compared: rankwatch report --compare R1 R2")
+    p.add_argument("--run", help="run id (default demo-<time>, with -lr<X> for a learning rate not the default)")
     return parser
 
 

@@ -3,7 +3,12 @@
 Broker (embedded unless a bootstrap is given) -> a Faust worker -> 4 training ranks as separate
 processes -> a NaN injected on one rank -> alerts printed as they arrive -> a summary. Exit 0 when
 the expected page arrived: firing on the injected rank at the injected step, with ``loss`` its
-``metric`` or among its ``metrics`` (one incident is one page since issue 18).
+``metric`` or among its ``metrics`` (one incident is one page since issue 18). With ``nan_step < 0``
+nothing is injected, and the demo exits 0 when every rank finished and the final evaluation was reported.
+
+Each run has its own id (``demo-<time>``, ``-lr<X>`` added for a learning rate other than the default) and
+stores into the report store of the data dir, so runs made one after another can be compared:
+``rankwatch report --compare R1 R2``.
 """
 
 from __future__ import annotations
@@ -50,11 +55,27 @@ def _page(alert: Alert) -> str:
             f"on rank(s) {ranks}, metrics [{metrics}]")
 
 
+DEFAULT_LR = 0.1  # rankwatch.demo.train's default
+
+
+def run_id(lr: float = DEFAULT_LR, now: float | None = None) -> str:
+    """``demo-<local time>``, with the learning rate when it is not the default.
+
+    >>> run_id(0.1, now=0.0) == run_id(now=0.0), run_id(0.02, now=0.0).endswith("-lr0.02")
+    (True, True)
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"demo-{stamp}" + ("" if lr == DEFAULT_LR else f"-lr{lr:g}")
+
+
 def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int = 200,
-             nan_step: int = 120, nan_rank: int = 2, wait_s: float = 20.0) -> int:
+             nan_step: int = 120, nan_rank: int = 2, lr: float = DEFAULT_LR, run: str | None = None,
+             wait_s: float = 20.0) -> int:
     started = time.monotonic()
-    run = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    print(f"rankwatch demo: run {run}, {ranks} ranks x {steps} steps, NaN on rank {nan_rank} at step {nan_step}")
+    run = run or run_id(lr)
+    inject = 0 <= nan_step < steps
+    fault = f"NaN on rank {nan_rank} at step {nan_step}" if inject else "no fault injected"
+    print(f"rankwatch demo: run {run}, {ranks} ranks x {steps} steps, lr {lr:g}, {fault}")
     with Stack(settings, embedded=embedded, port=free_port()) as stack:
         where = f"embedded broker (memory only) at {stack.bootstrap}" if embedded else f"broker at {stack.bootstrap}"
         print(f"  {where}; worker ready after {time.monotonic() - started:.1f}s")
@@ -65,9 +86,7 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
         sink = TerminalSink()
 
         def watch() -> None:
-            for record in read_topic(stack.bootstrap, contract.ALERTS, follow=True):
-                if stop.is_set():
-                    return
+            for record in read_topic(stack.bootstrap, contract.ALERTS, follow=True, stop=stop.is_set):
                 alert = Alert.from_bytes(record.value)
                 if alert.run != run:
                     continue
@@ -80,11 +99,10 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
                     expected.set()
 
         reports: dict[str, EvalReport] = {}
+        final_reported = threading.Event()  # the evaluation of the final weights (step == steps)
 
         def watch_reports() -> None:
-            for record in read_topic(stack.bootstrap, contract.REPORTS, follow=True):
-                if stop.is_set():
-                    return
+            for record in read_topic(stack.bootstrap, contract.REPORTS, follow=True, stop=stop.is_set):
                 obj = contract.decode_any(record.value)
                 if obj.get("kind") != EvalReport.KIND or obj.get("run") != run:
                     continue
@@ -93,15 +111,20 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
                     continue
                 reports[report.eval_id] = report
                 print(f"  {_describe(report)}", flush=True)
+                if report.step >= steps:
+                    final_reported.set()
 
-        threading.Thread(target=watch, daemon=True, name="alert-watch").start()
-        threading.Thread(target=watch_reports, daemon=True, name="report-watch").start()
+        watchers = [threading.Thread(target=watch, daemon=True, name="alert-watch"),
+                    threading.Thread(target=watch_reports, daemon=True, name="report-watch")]
+        for thread in watchers:
+            thread.start()
         env = dict(os.environ, WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    OMP_NUM_THREADS="1")
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "rankwatch.demo.train", "--run", run, "--bootstrap", stack.bootstrap,
-                 "--steps", str(steps), "--nan-step", str(nan_step), "--nan-rank", str(nan_rank)],
+                 "--steps", str(steps), "--nan-step", str(nan_step if inject else -1), "--nan-rank", str(nan_rank),
+                 "--lr", repr(lr)],
                 env=dict(env, RANK=str(r)),
             )
             for r in range(ranks)
@@ -112,9 +135,13 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
-        expected.wait(wait_s)
+        deadline = time.monotonic() + wait_s
+        for event in (expected, final_reported) if inject else (final_reported,):
+            event.wait(max(0.0, deadline - time.monotonic()))
         time.sleep(1.0)  # let the last alerts of the run print before the summary
         stop.set()
+        for thread in watchers:  # their consumers close before the broker stops (it waits for connected clients)
+            thread.join(10.0)
     by_severity = Counter(a.severity for a in seen if a.status == "firing")
     if reports:
         print("\neval accuracy over training (95% CI, all ranks merged):")
@@ -123,6 +150,13 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
     print(f"\nsummary: {len(seen)} alert transitions ({dict(by_severity)}) in {time.monotonic() - started:.1f}s; "
           f"ranks exited {codes}")
     print(f"stored in the report store: rankwatch report --run {run}  (rollups, eval reports, alerts)")
+    if not inject:
+        if any(codes) or not final_reported.is_set():
+            print(f"FAILED: ranks exited {codes}; final evaluation (step {steps}) "
+                  f"{'reported' if final_reported.is_set() else f'not reported within {wait_s:g}s'}")
+            return 1
+        print(f"OK: {ranks} ranks trained {steps} steps at lr {lr:g}; the final evaluation was reported")
+        return 0
     if expected.is_set():
         print(f"OK: the injected NaN (rank {nan_rank}, step {nan_step}) was detected: {_page(matched[0])}")
         return 0

@@ -5,7 +5,8 @@ first update, and after the last) each rank evaluates its slice of the held-out 
 results; the worker merges them into one report with confidence intervals. At ``--nan-step`` rank
 ``--nan-rank`` feeds a batch with a NaN pixel, as a corrupt shard would: its loss turns NaN, the
 all-reduce spreads NaN gradients to every rank, and rankwatch should say so within a step, and
-the next evaluation should show the damage as a regression.
+the next evaluation should show the damage as a regression. ``--lr`` sets SGD's learning rate, so two
+runs that differ only in it can be compared (``rankwatch report --compare``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nan-rank", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--eval-every", type=int, default=40)
+    ap.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (momentum 0.9)")
     args = ap.parse_args(argv)
 
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     val_loader = shard_dataloader(val, rank=rank, world_size=world, batch_size=64)
     evaluator = Evaluator(freq_steps=args.eval_every, eval_before_train=True)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     publisher = RankPublisher(run=args.run, bootstrap=args.bootstrap)  # rank/world from torch.distributed
     hook = TrainerHook(model, opt, publisher)
     g = torch.Generator().manual_seed(rank)
