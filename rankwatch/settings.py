@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from rankwatch.security import KafkaSecurity, read_password
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 FLAVORS = ("auto", "kafka", "tansu")
@@ -63,6 +66,19 @@ class Settings:
     #: Bounds of the suggested eval interval, in steps.
     eval_interval_min_steps: int = 10
     eval_interval_max_steps: int = 10_000
+    #: Kafka client security, for every client rankwatch makes (see ``rankwatch.security``): PLAINTEXT,
+    #: SSL, SASL_PLAINTEXT or SASL_SSL; SASL is SCRAM-SHA-256, SCRAM-SHA-512 or PLAIN.
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str = "SCRAM-SHA-512"
+    sasl_username: str = ""
+    #: Never printed (repr leaves it out); or put it in a file named by ``sasl_password_file``.
+    sasl_password: str = field(default="", repr=False)
+    sasl_password_file: str = ""
+    #: The CA that signed the brokers' certificates (empty: the system's CAs); a client certificate and key.
+    ssl_cafile: str = ""
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+    ssl_check_hostname: bool = True
 
     def __post_init__(self) -> None:
         if self.broker_flavor not in FLAVORS:
@@ -71,6 +87,16 @@ class Settings:
             raise ValueError("partitions, replication_factor and rollup_steps must be >= 1")
         if self.session_timeout_s < 0:
             raise ValueError("session_timeout_s must be >= 0 (0: the client's default)")
+        self.security  # noqa: B018 - checked (and a password file read) here, not at the first client
+
+    @cached_property
+    def security(self) -> KafkaSecurity:
+        """The Kafka clients' SASL/TLS settings, in one object with a converter per client library."""
+        return KafkaSecurity(security_protocol=self.security_protocol, sasl_mechanism=self.sasl_mechanism,
+                             username=self.sasl_username,
+                             password=read_password(self.sasl_password, self.sasl_password_file),
+                             ssl_cafile=self.ssl_cafile, ssl_certfile=self.ssl_certfile, ssl_keyfile=self.ssl_keyfile,
+                             ssl_check_hostname=self.ssl_check_hostname)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> Settings:
