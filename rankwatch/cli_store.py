@@ -51,7 +51,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     parent = os.environ.get(PARENT_ENV)
     orphaned = (lambda: os.getppid() != int(parent)) if parent else (lambda: False)  # a killed Stack
     print(f"{READY_LINE}: {settings.bootstrap} -> {store_url(settings)}", flush=True)
-    sink = StoreSink(store, settings.bootstrap)
+    sink = StoreSink(store, settings.bootstrap, from_beginning=args.from_beginning)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _like_ctrl_c)  # a Stack stops us with SIGTERM: finish the batch first
     try:
@@ -167,6 +167,9 @@ def add_commands(add, bootstrap) -> None:
     bootstrap(p)
     store_option(p)
     p.add_argument("--once", action="store_true", help="store what is on the topics, then exit")
+    p.add_argument("--from-beginning", action="store_true",
+                   help="read every partition from its start, not from the position the store saved: for a broker "
+                        "that started empty (`up` gives it for the embedded broker); stored rows are not duplicated")
 
     p = add("report", cmd_report, "A run's eval reports, rollups and alerts, from the report store.")
     store_option(p)

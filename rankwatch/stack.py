@@ -68,13 +68,14 @@ class WorkerProcess:
 class StoreProcess:
     """``rankwatch store`` as a child process: the report store follows the topics beside the workers."""
 
-    def __init__(self, settings: Settings, *, env: dict[str, str]):
+    def __init__(self, settings: Settings, *, env: dict[str, str], from_beginning: bool = False):
         log_path = Path(settings.data_dir) / "store.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path, self.started_at = log_path, log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rankwatch", "store", "--bootstrap", settings.bootstrap],
+                [sys.executable, "-m", "rankwatch", "store", "--bootstrap", settings.bootstrap,
+                 *(["--from-beginning"] if from_beginning else [])],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
             )
 
@@ -145,7 +146,8 @@ class Stack:
                     self.broker = EmbeddedBroker(port=self.port, log_path=log_path)
                 self.broker.start()
                 self.settings = self.settings.with_(bootstrap=self.broker.bootstrap, broker_flavor=self.broker_kind)
-            ensure_topics(self.settings.bootstrap, self.settings.partitions, replication=self.settings.replication_factor)
+            ensure_topics(self.settings.bootstrap, self.settings.partitions, replication=self.settings.replication_factor,
+                          security=self.settings.security)
             self.start_workers()
             self.start_store()
         except BaseException:
@@ -157,7 +159,9 @@ class Stack:
         """The report store's sink (``rankwatch store``); its output goes to ``<data dir>/store.log``."""
         if self.with_store:
             env = dict(os.environ, **self.settings.to_env(), **{PARENT_ENV: str(os.getpid())})
-            self.store = StoreProcess(self.settings, env=env)
+            # A Tansu broker we started holds nothing yet: positions saved from an earlier one mean nothing here.
+            fresh = self.embedded and self.broker_kind == "tansu"
+            self.store = StoreProcess(self.settings, env=env, from_beginning=fresh)
             self.store.wait_ready(self.ready_timeout_s)
 
     def start_workers(self) -> None:

@@ -8,6 +8,9 @@ in one transaction.
 A broker that lost its topics (the embedded one keeps nothing across a restart) restarts offsets at
 0: a stored position past the end is out of range, and the consumer starts that partition over
 (``auto_offset_reset="earliest"``). The rows it writes again are the same rows (idempotent upserts).
+That reset happens only while the new broker's partition is still shorter than the stored position: for a
+broker known to have started empty (the embedded one a Stack has just started) ``from_beginning=True``
+ignores the stored positions, so what reached it before the sink's first read is stored too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from kafka import KafkaConsumer, TopicPartition
 
 from rankwatch import contract
+from rankwatch.security import PLAINTEXT, KafkaSecurity
 from rankwatch.sinks.reader import caught_up
 from rankwatch.sinks.store import ReportStore, WriteResult
 
@@ -31,9 +35,12 @@ TOPICS = (contract.REPORTS, contract.ALERTS)
 class StoreSink:
     """``run()`` copies the topics into ``store`` until caught up (``follow=False``) or ``stop()``."""
 
+    #: SASL/TLS of its consumer; set on an instance (``rankwatch store`` gives the settings' one).
+    security: KafkaSecurity = PLAINTEXT
+
     def __init__(self, store: ReportStore, bootstrap: str, *, poll_ms: int = 200, max_records: int = 2000,
-                 on_write: Callable[[WriteResult], None] | None = None):
-        self.store, self.bootstrap = store, bootstrap
+                 on_write: Callable[[WriteResult], None] | None = None, from_beginning: bool = False):
+        self.store, self.bootstrap, self.from_beginning = store, bootstrap, from_beginning
         self.poll_ms, self.max_records, self.on_write = poll_ms, max_records, on_write
         self.written = 0
 
@@ -44,6 +51,7 @@ class StoreSink:
         consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
             fetch_max_wait_ms=100, client_id="rankwatch-store", allow_auto_create_topics=False,
+            **self.security.kafka_python(),
         )
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
 
@@ -90,7 +98,7 @@ class StoreSink:
         for tp in tps:
             if tp in known:
                 continue  # keep reading where we are
-            start = offsets.get((tp.topic, tp.partition))
+            start = None if self.from_beginning else offsets.get((tp.topic, tp.partition))
             if start is None:
                 consumer.seek_to_beginning(tp)
             else:

@@ -194,3 +194,31 @@ def test_a_complete_window_supersedes_the_partial_one_a_closing_rank_sent(store)
     rows = {r["rank"]: r for r in Queries(store.db).rollups("r1")}
     assert (rows[0]["count"], rows[None]["count"], rows[None]["max"]) == (4, 5, 5.0)
     assert rows[None]["last"] == 4.0  # rank 0 got furthest (step 3)
+
+
+@pytest.mark.broker
+def test_a_sink_for_a_broker_that_started_empty_ignores_positions_saved_from_another(tmp_path):
+    # A new embedded broker starts its partitions at 0 again. A position saved from the last one that is
+    # still inside the new partition would skip what came first; from_beginning (what a Stack's fresh
+    # Tansu broker gets) stores it, and the rows already stored are not duplicated.
+    from kafka import KafkaProducer
+
+    from rankwatch.admin import ensure_topics
+    from rankwatch.broker import EmbeddedBroker, free_port
+    from rankwatch.sinks.store_sink import StoreSink
+
+    with EmbeddedBroker(port=free_port()) as broker:
+        ensure_topics(broker.bootstrap, 8)
+        producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
+        for start in (0, 10):  # one key, so one partition: offsets 0 and 1
+            producer.send("rankwatch.reports", rollup(run="new", start=start).to_bytes(), key=b"new/0")
+        producer.flush()
+        producer.close()
+        for from_beginning, expected in ((False, [10]), (True, [0, 10])):
+            store = ReportStore(str(tmp_path / f"{from_beginning}.db"))
+            store.write([("rankwatch.reports", p, 0, rollup(run="old", start=p).to_bytes()) for p in range(8)])
+            StoreSink(store, broker.bootstrap, from_beginning=from_beginning).run(follow=False, stop_after_s=30)
+            rows = Queries(store.db).rollups("new", Filters(rank=0))
+            assert [r["start_step"] for r in rows] == expected, from_beginning
+            assert len(Queries(store.db).rollups("old", Filters(rank=0))) == 8
+            store.close()
