@@ -156,7 +156,8 @@ class RankPublisher:
         elastic = env.get("TORCHELASTIC_RUN_ID", "")
         run = env.get("RANKWATCH_RUN") or (elastic if elastic != "none" else "")  # torchrun's placeholder
         settings = Settings.from_env(env)
-        kwargs: dict[str, Any] = {"run": run, "bootstrap": settings.bootstrap, "spool_dir": settings.spool_dir}
+        kwargs: dict[str, Any] = {"run": run, "bootstrap": settings.bootstrap, "spool_dir": settings.spool_dir,
+                                  "producer_config": settings.security.kafka_python()}  # SASL/TLS: to the shipper
         kwargs.update(zip(("rank", "world_size", "local_rank"), rank_identity(env)))
         kwargs.update(overrides)
         if not kwargs["run"]:

@@ -11,29 +11,31 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError, UnknownTopicOrPart
 
 from rankwatch.contract import INTERNAL_TOPICS, TOPICS
 from rankwatch.errors import BrokerError
+from rankwatch.security import PLAINTEXT, KafkaSecurity
 
 log = logging.getLogger(__name__)
 
 
-def connect_admin(bootstrap: str, timeout_s: float = 10.0) -> KafkaAdminClient:
+def connect_admin(bootstrap: str, timeout_s: float = 10.0, *, security: KafkaSecurity = PLAINTEXT) -> KafkaAdminClient:
     """An admin client, retrying until the broker answers a metadata request or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            return KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000, client_id="rankwatch-admin")
+            return KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000, client_id="rankwatch-admin",
+                                    **security.kafka_python())
         except KafkaError as exc:  # NoBrokersAvailable while the broker starts
             last = exc
             time.sleep(0.1)
     raise BrokerError(f"no Kafka broker answered at {bootstrap} within {timeout_s:.0f}s ({last})")
 
 
-def wait_for_broker(bootstrap: str, timeout_s: float = 10.0) -> None:
-    connect_admin(bootstrap, timeout_s).close()
+def wait_for_broker(bootstrap: str, timeout_s: float = 10.0, *, security: KafkaSecurity = PLAINTEXT) -> None:
+    connect_admin(bootstrap, timeout_s, security=security).close()
 
 
 def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOPICS + INTERNAL_TOPICS, *,
-                  replication: int = 1) -> dict[str, int]:
+                  replication: int = 1, security: KafkaSecurity = PLAINTEXT) -> dict[str, int]:
     """Create the missing rankwatch topics (``replication`` replicas each); return every topic's actual partition count.
 
     A broker that auto-creates topics (Tansu does, with 4 partitions) may get there first, above all
@@ -41,11 +43,11 @@ def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOP
     created again with ``partitions``; one that holds messages keeps its count (deleting would lose
     them) and workers adopt what they find.
     """
-    admin = connect_admin(bootstrap)
+    admin = connect_admin(bootstrap, security=security)
     try:
         counts = _partition_counts(admin, topics)
         wrong = [t for t in topics if t in counts and counts[t] != partitions]
-        empty = _empty(bootstrap, {t: counts[t] for t in wrong})
+        empty = _empty(bootstrap, {t: counts[t] for t in wrong}, security)
         if empty:
             log.warning("re-creating %s with %d partitions (found empty, with another count)", empty, partitions)
             _delete(admin, empty)
@@ -55,14 +57,15 @@ def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOP
         admin.close()
 
 
-def drop_mismatched(bootstrap: str, topics: list[str], partitions: int) -> list[str]:
+def drop_mismatched(bootstrap: str, topics: list[str], partitions: int, *,
+                    security: KafkaSecurity = PLAINTEXT) -> list[str]:
     """Delete those of ``topics`` that exist with another partition count than ``partitions``.
 
     For Faust's changelog topics, which Faust creates (with its own configs) when they are missing:
     a changelog whose count differs from its table's can never be read back (a restarted broker
     auto-created it from a worker's late writes), and what it holds is a state the broker lost.
     """
-    admin = connect_admin(bootstrap)
+    admin = connect_admin(bootstrap, security=security)
     try:
         counts = _partition_counts(admin, tuple(topics))
         wrong = [t for t in topics if t in counts and counts[t] != partitions]
@@ -80,10 +83,11 @@ def _partition_counts(admin: KafkaAdminClient, topics: tuple[str, ...]) -> dict[
     return {d["name"]: len(d["partitions"]) for d in admin.describe_topics(present)} if present else {}
 
 
-def _empty(bootstrap: str, counts: dict[str, int]) -> list[str]:
+def _empty(bootstrap: str, counts: dict[str, int], security: KafkaSecurity = PLAINTEXT) -> list[str]:
     if not counts:
         return []
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, request_timeout_ms=5000)
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, request_timeout_ms=5000,
+                             **security.kafka_python())
     try:
         ends = consumer.end_offsets([TopicPartition(t, p) for t, n in counts.items() for p in range(n)])
     finally:
@@ -107,9 +111,9 @@ def _create(admin: KafkaAdminClient, topics: list[str], partitions: int, replica
         pass  # another process (or an auto-create) won the race; the counts read after are what matters
 
 
-def detect_flavor(bootstrap: str) -> str:
+def detect_flavor(bootstrap: str, *, security: KafkaSecurity = PLAINTEXT) -> str:
     """``"tansu"`` when the cluster id says so (Tansu's default is ``tansu_cluster``), else ``"kafka"``."""
-    admin = connect_admin(bootstrap)
+    admin = connect_admin(bootstrap, security=security)
     try:
         cluster_id = admin.describe_cluster().get("cluster_id") or ""
     except KafkaError:

@@ -120,7 +120,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             sink = TerminalSink()
             with _until_ctrl_c() as pressed:
                 for record in read_topic(stack.bootstrap, contract.ALERTS, follow=True, from_beginning=False,
-                                         stop=pressed):
+                                         stop=pressed, security=stack.settings.security):
                     _emit_alert(record.value, sink)
             print("\nstopping…", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
@@ -176,7 +176,9 @@ def cmd_alerts(args: argparse.Namespace) -> int:
 
     sink = TerminalSink(as_json=args.json)
     with _until_ctrl_c() as pressed:
-        for record in read_topic(_settings(args).bootstrap, contract.ALERTS, follow=args.follow, stop=pressed):
+        settings = _settings(args)
+        for record in read_topic(settings.bootstrap, contract.ALERTS, follow=args.follow, stop=pressed,
+                                 security=settings.security):
             _emit_alert(record.value, sink, args.run)
     return 0
 
@@ -206,7 +208,8 @@ def cmd_notify(args: argparse.Namespace) -> int:
     state = Path(args.state) if args.state else Path(settings.data_dir) / "notify-offsets.json"
     notifier = Notifier(sinks, run=args.run, state_path=state)
     with _until_ctrl_c() as pressed:  # an alert being delivered is finished and its offset saved
-        notifier.follow(settings.bootstrap, follow=not args.once, from_beginning=args.from_beginning, stop=pressed)
+        notifier.follow(settings.bootstrap, follow=not args.once, from_beginning=args.from_beginning, stop=pressed,
+                        security=settings.security)
     print(f"delivered {notifier.delivered}, undelivered {notifier.failed}", file=sys.stderr)
     if notifier.undelivered:  # the run stopped before it: say which and why, and what happens next
         print(f"undelivered: {notifier.undelivered}; the next run starts with it", file=sys.stderr)
@@ -216,9 +219,11 @@ def cmd_notify(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     from rankwatch.sinks import read_topic
 
+    settings = _settings(args)
     with _until_ctrl_c() as pressed:
         for record in read_topic(
-            _settings(args).bootstrap, args.topic, follow=args.follow, from_beginning=not args.from_end, stop=pressed
+            settings.bootstrap, args.topic, follow=args.follow, from_beginning=not args.from_end, stop=pressed,
+            security=settings.security,
         ):
             try:
                 line = json.dumps(contract.decode_any(record.value))
@@ -235,7 +240,8 @@ def cmd_deadletters(args: argparse.Namespace) -> int:
 
     counts: Counter[tuple[str, str]] = Counter()
     latest: dict[tuple[str, str], str] = {}
-    for record in read_topic(_settings(args).bootstrap, contract.DEADLETTER):
+    settings = _settings(args)
+    for record in read_topic(settings.bootstrap, contract.DEADLETTER, security=settings.security):
         try:
             letter = contract.DeadLetter.from_bytes(record.value)
             where, reason = (letter.topic, letter.cause), letter.reason
@@ -259,7 +265,8 @@ def cmd_ship(args: argparse.Namespace) -> int:
     from rankwatch.producers.spool import default_root, find_spools, has_writer
 
     settings = _settings(args)
-    config = kafka_config(settings.bootstrap, 5.0, json.loads(os.environ.get(CONFIG_ENV, "{}")))
+    config = kafka_config(settings.bootstrap, 5.0,
+                          {**settings.security.kafka_python(), **json.loads(os.environ.get(CONFIG_ENV, "{}"))})
     root = settings.spool_dir or default_root()
     spools = args.spool or find_spools(root)
     if not spools:
@@ -413,6 +420,15 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except RankwatchError as exc:
         print(f"rankwatch: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a Kafka client's refused login or TLS handshake: one line that names it
+        from rankwatch.security import explain_failure, is_client_failure
+
+        settings = _settings(args) if is_client_failure(exc) else None
+        line = settings and explain_failure(exc, settings.bootstrap, settings.security)
+        if not line:
+            raise
+        print(f"rankwatch: error: {line}", file=sys.stderr)
         return 2
     finally:
         if on_term is not None:

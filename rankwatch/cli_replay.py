@@ -11,7 +11,8 @@ from rankwatch.settings import Settings
 def cmd_record(args: argparse.Namespace) -> int:
     from rankwatch.replay import record
 
-    counts = record(Settings.from_env(bootstrap=args.bootstrap).bootstrap, args.run, args.file)
+    settings = Settings.from_env(bootstrap=args.bootstrap)
+    counts = record(settings.bootstrap, args.run, args.file, security=settings.security)
     print(f"recorded run {args.run}: {counts.get('telemetry', 0)} telemetry messages, "
           f"{counts.get('eval_shard', 0)} eval shards -> {args.file}", file=sys.stderr)
     return 0
@@ -20,7 +21,8 @@ def cmd_record(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from rankwatch.replay import replay
 
-    run, sent = replay(Settings.from_env(bootstrap=args.bootstrap).bootstrap, args.file, run=args.run)
+    settings = Settings.from_env(bootstrap=args.bootstrap)
+    run, sent = replay(settings.bootstrap, args.file, run=args.run, security=settings.security)
     print(f"replayed {sent} messages as run {run}; once the workers are through: "
           f"rankwatch report --run {run} --kind alerts", file=sys.stderr)
     print(run)

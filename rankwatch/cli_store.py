@@ -52,6 +52,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     orphaned = (lambda: os.getppid() != int(parent)) if parent else (lambda: False)  # a killed Stack
     print(f"{READY_LINE}: {settings.bootstrap} -> {store_url(settings)}", flush=True)
     sink = StoreSink(store, settings.bootstrap, from_beginning=args.from_beginning)
+    sink.security = settings.security  # SASL/TLS of its consumer
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _like_ctrl_c)  # a Stack stops us with SIGTERM: finish the batch first
     try:

@@ -24,19 +24,21 @@ from pathlib import Path
 from rankwatch import contract
 from rankwatch.contract import EVAL_SHARDS, TELEMETRY, EvalShard, TelemetryBatch
 from rankwatch.errors import RankwatchError
+from rankwatch.security import PLAINTEXT, KafkaSecurity
 
 FORMAT = "rankwatch-recording"
 VERSION = 1
 KINDS = {TelemetryBatch.KIND: TelemetryBatch, EvalShard.KIND: EvalShard}
 
 
-def record(bootstrap: str, run: str, path: str | Path, *, stop_after_s: float = 120.0) -> dict[str, int]:
+def record(bootstrap: str, run: str, path: str | Path, *, stop_after_s: float = 120.0,
+           security: KafkaSecurity = PLAINTEXT) -> dict[str, int]:
     """Write every telemetry and eval-shard message of ``run`` now on the broker to ``path``; counts by kind."""
     from rankwatch.sinks.reader import read_topic
 
     found = []
     for topic in (TELEMETRY, EVAL_SHARDS):
-        for rec in read_topic(bootstrap, topic, stop_after_s=stop_after_s):
+        for rec in read_topic(bootstrap, topic, stop_after_s=stop_after_s, security=security):
             if rec.key is None or not rec.key.decode("utf-8", "replace").startswith(run + "/"):
                 continue
             try:
@@ -80,7 +82,8 @@ def read_recording(path: str | Path) -> tuple[dict, Iterator[TelemetryBatch | Ev
     return header, messages()
 
 
-def replay(bootstrap: str, path: str | Path, *, run: str | None = None, now: float | None = None) -> tuple[str, int]:
+def replay(bootstrap: str, path: str | Path, *, run: str | None = None, now: float | None = None,
+           security: KafkaSecurity = PLAINTEXT) -> tuple[str, int]:
     """Publish a recording under ``run`` (default: ``<original>-replay-<HHMMSS>``); (the run id, messages sent)."""
     from kafka import KafkaProducer
 
@@ -90,7 +93,7 @@ def replay(bootstrap: str, path: str | Path, *, run: str | None = None, now: flo
         raise RankwatchError("replay under the recorded run id would be dropped as already seen: pick another --run")
     messages = list(messages)
     shift = (time.time() if now is None else now) - max(m.ts for m in messages)
-    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, acks=1)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, acks=1, **security.kafka_python())
     try:
         for m in messages:
             moved = replace(m, run=new, ts=m.ts + shift)

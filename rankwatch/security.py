@@ -159,7 +159,7 @@ def explain_failure(exc: BaseException, bootstrap: str, security: KafkaSecurity)
     aiokafka reports the broker's reason. The line never holds the password.
     """
     line = auth_error_line(exc, bootstrap)
-    if line is not None or security.security_protocol == "PLAINTEXT" or not _is_kafka_error(exc):
+    if line is not None or security.security_protocol == "PLAINTEXT" or not is_client_failure(exc):
         return line
     cause = probe(bootstrap, security)
     return None if cause is None else auth_error_line(cause, bootstrap)
@@ -248,8 +248,9 @@ def _auth_cause(exc: BaseException | None) -> tuple[str, BaseException] | None:
     return None
 
 
-def _is_kafka_error(exc: BaseException) -> bool:
-    return any(cls.__name__ == "KafkaError" for cls in type(exc).__mro__)
+def is_client_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a Kafka client (kafka-python's or aiokafka's KafkaError) or a TLS handshake."""
+    return _auth_cause(exc) is not None or any(cls.__name__ == "KafkaError" for cls in type(exc).__mro__)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rankwatch.contract import TELEMETRY, Series, TelemetryBatch
+from rankwatch.security import PLAINTEXT, KafkaSecurity
 
 #: The first metrics are the ones the default rules watch (spike, blowup, cross-rank, throughput);
 #: the rest are plain gauges, as trainers log dozens of (per-layer norms, memory, learning rate).
@@ -92,11 +93,13 @@ class QuietRanks:
         return out
 
 
-def produce(bootstrap: str, messages: Iterable[tuple[bytes, bytes]], *, topic: str = TELEMETRY) -> int:
+def produce(bootstrap: str, messages: Iterable[tuple[bytes, bytes]], *, topic: str = TELEMETRY,
+            security: KafkaSecurity = PLAINTEXT) -> int:
     """Send (key, value) pairs with a plain kafka-python producer; return how many were sent."""
     from kafka import KafkaProducer
 
-    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=1 << 20, max_request_size=4 << 20)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=1 << 20, max_request_size=4 << 20,
+                             **security.kafka_python())
     n = 0
     for key, value in messages:
         producer.send(topic, value, key=key)
@@ -107,12 +110,12 @@ def produce(bootstrap: str, messages: Iterable[tuple[bytes, bytes]], *, topic: s
 
 
 def paced(bootstrap: str, sims: list[QuietRanks], *, hz: float, ticks: int,
-          stop: Callable[[], bool] = lambda: False) -> int:
+          stop: Callable[[], bool] = lambda: False, security: KafkaSecurity = PLAINTEXT) -> int:
     """Publish one message per rank per tick, ``hz`` ticks a second (late ticks are sent at once);
     the last tick is ``final`` (the ranks close their publishers). Returns messages sent."""
     from kafka import KafkaProducer
 
-    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=1 << 20)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=1 << 20, **security.kafka_python())
     started, sent = time.perf_counter(), 0
     try:
         for tick in range(ticks):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rankwatch.contract import EvalShard, Series, TelemetryBatch
+from rankwatch.security import PLAINTEXT, KafkaSecurity
 
 
 @dataclass
@@ -99,11 +100,11 @@ class TrainingRun:
         return out
 
 
-def send(bootstrap: str, records: list) -> int:
+def send(bootstrap: str, records: list, *, security: KafkaSecurity = PLAINTEXT) -> int:
     """Publish contract records to their topics with their keys (a plain producer, like any client)."""
     from kafka import KafkaProducer
 
-    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, **security.kafka_python())
     try:
         for r in records:
             producer.send(r.TOPIC, r.to_bytes(), key=r.key if isinstance(r.key, bytes) else r.key.encode())

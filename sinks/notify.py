@@ -28,6 +28,7 @@ from pathlib import Path
 from rankwatch import contract
 from rankwatch.contract import Alert
 from rankwatch.errors import RankwatchError, SchemaError
+from rankwatch.security import PLAINTEXT, KafkaSecurity
 from rankwatch.sinks.base import Sink
 from rankwatch.sinks.reader import read_topic
 
@@ -79,12 +80,12 @@ class Notifier:
         return True
 
     def follow(self, bootstrap: str, *, follow: bool = True, from_beginning: bool = False,
-               stop: Callable[[], bool] | None = None) -> None:
+               stop: Callable[[], bool] | None = None, security: KafkaSecurity = PLAINTEXT) -> None:
         offsets = self._load_offsets()
         if any(hasattr(sink, "restore") for sink in self.sinks):
-            offsets = self._restore(bootstrap, offsets, from_beginning)
+            offsets = self._restore(bootstrap, offsets, from_beginning, security)
         records = read_topic(bootstrap, contract.ALERTS, follow=follow, from_beginning=from_beginning,
-                             offsets=offsets, stop=stop, on_poll=self._tick)
+                             offsets=offsets, stop=stop, on_poll=self._tick, security=security)
         try:
             for record in records:
                 try:
@@ -105,14 +106,15 @@ class Notifier:
             records.close()
             self._save_offsets(offsets)
 
-    def _restore(self, bootstrap: str, offsets: dict[int, int], from_beginning: bool) -> dict[int, int]:
+    def _restore(self, bootstrap: str, offsets: dict[int, int], from_beginning: bool,
+                 security: KafkaSecurity = PLAINTEXT) -> dict[int, int]:
         """Hand the sinks that keep state the alerts before the read position; return the position.
 
         A partition without a saved position starts at its beginning (nothing before it) or, when
         reading from the end, where this pass stopped, so that nothing falls between the two.
         """
         start = dict(offsets)
-        for record in read_topic(bootstrap, contract.ALERTS, follow=False, from_beginning=True):
+        for record in read_topic(bootstrap, contract.ALERTS, follow=False, from_beginning=True, security=security):
             saved = offsets.get(record.partition)
             if saved is None and from_beginning or saved is not None and record.offset >= saved:
                 continue

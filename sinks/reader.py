@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Mapping
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
+from rankwatch.security import PLAINTEXT, KafkaSecurity
+
 log = logging.getLogger(__name__)
 
 
@@ -29,6 +31,7 @@ def read_topic(
     offsets: Mapping[int, int] | None = None,
     stop: Callable[[], bool] | None = None,
     on_poll: Callable[[], None] | None = None,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> Iterator[ConsumerRecord]:
     """Yield the topic's records in per-partition order; stop when caught up unless ``follow``.
 
@@ -47,6 +50,7 @@ def read_topic(
         fetch_max_wait_ms=50,  # a reader is interactive; on Tansu this also bounds the added latency
         client_id="rankwatch-reader",
         allow_auto_create_topics=False,
+        **security.kafka_python(),
     )
     deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
 

@@ -47,6 +47,7 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
         web_enabled=False,
         producer_linger=0.005,
         Table=tables.Table,  # tracks its changelog in the producer's metadata (Apache Kafka needs it)
+        **settings.security.faust(),  # SASL/TLS: broker_credentials
         **extra,
     )
     flows.register(app, settings, outages=outages or OutageClock())

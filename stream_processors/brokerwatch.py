@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import aiokafka
 
+from rankwatch.security import PLAINTEXT, KafkaSecurity
+
 log = logging.getLogger(__name__)
 
 
@@ -65,10 +67,11 @@ class BrokerWatch:
         on_new: Callable[[str], Awaitable[None]],
         interval_s: float = 1.0,
         timeout_s: float = 3.0,
+        security: KafkaSecurity = PLAINTEXT,
     ):
         self.bootstrap, self.expected, self.offsets_of = bootstrap, dict(expected), offsets_of
         self.on_away, self.on_back, self.on_new = on_away, on_back, on_new
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.interval_s, self.timeout_s, self.security = interval_s, timeout_s, security
         self.high: dict[tuple[str, int], int] = {}
         self.away = False
         self._probe: aiokafka.AIOKafkaConsumer | None = None
@@ -102,7 +105,7 @@ class BrokerWatch:
     async def look(self) -> BrokerView:
         if self._probe is None:
             probe = aiokafka.AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False,
-                                              request_timeout_ms=int(self.timeout_s * 1000))
+                                              request_timeout_ms=int(self.timeout_s * 1000), **self.security.aiokafka())
             self._probe = probe  # dropped (and stopped) on failure, a failed start included
             await probe.start()
         # All topics' metadata: asking for named topics could auto-create them (what we look for).

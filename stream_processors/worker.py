@@ -42,14 +42,16 @@ _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def build_app(settings: Settings) -> faust.App:
-    flavor = settings.broker_flavor if settings.broker_flavor != "auto" else detect_flavor(settings.bootstrap)
-    counts = ensure_topics(settings.bootstrap, settings.partitions, replication=settings.replication_factor)
+    flavor = settings.broker_flavor if settings.broker_flavor != "auto" else detect_flavor(settings.bootstrap,
+                                                                                       security=settings.security)
+    counts = ensure_topics(settings.bootstrap, settings.partitions, replication=settings.replication_factor,
+                           security=settings.security)
     outages = OutageClock()
     app = make_app(settings, flavor=flavor, partitions=counts[contract.TELEMETRY], outages=outages)
     # Faust creates missing changelogs itself, but one auto-created by a restarted broker from a
     # worker's late writes has the broker's default count, and its table could never recover.
     drop_mismatched(settings.bootstrap, [t.changelog_topic.get_topic_name() for t in app.tables.values()],
-                    counts[contract.TELEMETRY])
+                    counts[contract.TELEMETRY], security=settings.security)
 
     @app.on_rebalance_complete.connect
     async def announce(sender, **kwargs):  # supervisors and tests wait for this line
@@ -61,12 +63,13 @@ def build_app(settings: Settings) -> faust.App:
         print(f"{NEW_BROKER_LINE} ({reason}); starting over", flush=True)
         # At once, before the ranks' shippers fill topics the broker auto-created with its own count.
         await asyncio.to_thread(ensure_topics, settings.bootstrap, settings.partitions,
-                                replication=settings.replication_factor)
+                                replication=settings.replication_factor, security=settings.security)
         restart_process()
 
     watch = BrokerWatch(
         settings.bootstrap.split(","), counts, offsets_of=(contract.TELEMETRY,),
         on_away=lambda: outages.away(time.time()), on_back=lambda: outages.back(time.time()), on_new=start_over,
+        security=settings.security,
     )
 
     @app.task
