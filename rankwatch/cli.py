@@ -106,13 +106,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"starting rankwatch: {using}…", file=sys.stderr, flush=True)
     try:  # around everything: Ctrl-C may come while things are still starting
         with Stack(settings, embedded=embedded, port=port, workers=args.workers, echo=echo,
-                   broker=args.broker) as stack:
+                   broker=args.broker, serve_port=None if args.no_serve else args.serve_port) as stack:
             kind = "external broker" if not embedded else _BROKER_KINDS[args.broker]
             print(
                 f"rankwatch is up\n"
                 f"  broker   {stack.bootstrap} ({kind})\n"
                 f"  workers  {args.workers} Faust worker(s), consumer group '{stack.settings.app_id}'\n"
                 f"  trainers export RANKWATCH_BOOTSTRAP={stack.bootstrap}\n"
+                f"  api      {f'{stack.api.url} (openapi.json, runs, metrics)' if stack.api else 'off (--no-serve)'}\n"
                 f"  alerts   topic {contract.ALERTS}, printed below\n"
                 f"Ctrl-C stops everything.",
                 flush=True,
@@ -333,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port of the local broker to start (default 9092; not with a bootstrap)")
     p.add_argument("--workers", type=int, default=1, help="Faust workers to run (default 1; at most the partitions)")
     broker_kind(p)
+    p.add_argument("--serve-port", type=int, default=8321,
+                   help="port of the report API (`rankwatch serve`) on 127.0.0.1 (default 8321; 0 picks a free one)")
+    p.add_argument("--no-serve", action="store_true", help="do not start the report API")
     p.add_argument("-v", "--verbose", action="store_true", help="show the workers' own output")
 
     p = add("broker", cmd_broker, "Run only a local broker: Tansu (default; memory only, data is lost when it stops) "

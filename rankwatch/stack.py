@@ -1,4 +1,5 @@
-"""Bring up and tear down a local rankwatch: the embedded broker (optional) and Faust workers.
+"""Bring up and tear down a local rankwatch: the embedded broker (optional), Faust workers, the report
+store's sink and (given a port) the report API.
 
 Workers run as child processes (``python -m rankwatch worker``) in their own sessions, so Ctrl-C
 reaches only us and we stop things in order: workers first (they commit and leave), broker last.
@@ -103,16 +104,50 @@ class StoreProcess:
                 self.proc.wait()
 
 
+class ApiServer:
+    """``rankwatch serve`` in threads of the Stack's own process: the report store, read-only, on loopback.
+    The port is taken at once (a taken port fails before anything else starts); ``start`` serves."""
+
+    def __init__(self, settings: Settings, port: int):
+        from rankwatch.sinks.api import ReportAPI, make_server
+        from rankwatch.sinks.store import store_url
+
+        api = ReportAPI(store_url(settings), rules=settings.rules)
+        try:
+            self.server = make_server(api, "127.0.0.1", port)
+        except OSError as exc:
+            raise RankwatchError(f"the report API cannot listen on 127.0.0.1:{port} ({exc.strerror}): is another "
+                                 "`rankwatch serve` or `up` running? (`up --serve-port P` picks another, `--no-serve` none)") from None
+        self.serving = False
+
+    def start(self) -> None:
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.5}, daemon=True,
+                         name="report-api").start()
+        self.serving = True
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}/"
+
+    def stop(self) -> None:
+        if self.serving:  # shutdown() waits for serve_forever to return: it would wait forever for one never run
+            self.server.shutdown()
+        self.server.server_close()
+
+
 class Stack:
     """``with Stack(settings, embedded=True) as stack:`` gives a running broker and workers.
 
     ``broker`` picks the local broker that ``embedded`` starts: "tansu" (memory only) or "kafka"
     (Apache Kafka, one KRaft node with its data under the data dir; see ``rankwatch.kafka_broker``).
+    ``serve_port`` (0 picks a free one) also serves the report store over HTTP on 127.0.0.1 (``api.url``).
     """
 
     #: Whether ``start`` also runs the report store's sink; set False on an instance to leave it out.
     with_store: bool = True
     store: StoreProcess | None = None
+    api: ApiServer | None = None
 
     def __init__(
         self,
@@ -124,11 +159,13 @@ class Stack:
         echo: Callable[[str], None] | None = None,
         ready_timeout_s: float = 90.0,
         broker: str = "tansu",
+        serve_port: int | None = None,
     ):
         if broker not in ("tansu", "kafka"):
             raise ValueError(f"broker must be 'tansu' or 'kafka', got {broker!r}")
         self.settings, self.embedded, self.port, self.broker_kind = settings, embedded, port, broker
         self.n_workers, self.echo, self.ready_timeout_s = workers, echo, ready_timeout_s
+        self.serve_port = serve_port
         self.broker: EmbeddedBroker | KafkaBroker | None = None
         self.workers: list[WorkerProcess] = []
 
@@ -138,6 +175,8 @@ class Stack:
 
     def start(self) -> Stack:
         try:
+            if self.serve_port is not None:
+                self.api = ApiServer(self.settings, self.serve_port)
             if self.embedded:
                 log_path = Path(self.settings.data_dir) / "broker.log"
                 if self.broker_kind == "kafka":
@@ -150,6 +189,8 @@ class Stack:
                           security=self.settings.security)
             self.start_workers()
             self.start_store()
+            if self.api is not None:  # after the store: its process has created the database
+                self.api.start()
         except BaseException:
             self.stop()
             raise
@@ -185,6 +226,9 @@ class Stack:
                     raise RankwatchError(f"worker {w.index} {why}; its last output:\n" + "\n".join(w.tail))
 
     def stop(self) -> None:
+        if self.api is not None:
+            self.api.stop()
+            self.api = None
         for w in self.workers:
             w.stop()
         self.workers = []

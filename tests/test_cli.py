@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -63,12 +64,41 @@ def test_tail_refuses_a_topic_that_is_not_rankwatch_s():
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
-def test_up_starts_everything_and_ctrl_c_or_sigterm_stops_it_cleanly(tmp_path, stop):
+def _get(url: str) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.status, resp.headers["Content-Type"], resp.read()
+
+
+def _api_answers(base: str, bootstrap: str, run: str) -> None:
+    """The report API that `up` started: its OpenAPI document and /metrics, and a run sent to the broker
+    reaches it through the worker and the store (an alert on a NaN loss)."""
+    status, ctype, body = _get(f"{base}openapi.json")
+    assert (status, ctype) == (200, "application/json") and "/runs/{run}/rollups" in json.loads(body)["paths"]
+    status, ctype, body = _get(f"{base}metrics")
+    assert status == 200 and ctype.startswith("text/plain") and b"# TYPE rankwatch_alert_firing gauge" in body
+    batch = TelemetryBatch(run=run, rank=0, world_size=1, producer="p", seq=0, ts=time.time(),
+                           series={"loss": Series(np.array([0, 1]), np.array([1.0, float("nan")]))})
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    producer.send(contract.TELEMETRY, batch.to_bytes(), key=batch.key)
+    producer.flush()
+    producer.close()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and f'run="{run}"'.encode() not in (metrics := _get(f"{base}metrics")[2]):
+        time.sleep(0.5)
+    assert b"rankwatch_alert_firing{" in metrics and f'run="{run}"'.encode() in metrics, metrics[-2000:]
+    [stored] = [r for r in json.loads(_get(f"{base}runs")[2]) if r["run"] == run]
+    assert (stored["alerts"], stored["firing"]) == (1, 1)
+
+
+@pytest.mark.parametrize("stop,serve", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl_c-serve", "sigterm-no_serve"])
+def test_up_starts_everything_and_ctrl_c_or_sigterm_stops_it_cleanly(tmp_path, stop, serve, run_id):
     port = free_port()
+    api_port = next(p for p in iter(free_port, None) if p != port)
     env = dict(os.environ, RANKWATCH_DATA_DIR=str(tmp_path))
     env.pop("RANKWATCH_BOOTSTRAP", None)
-    proc = subprocess.Popen([*RANKWATCH, "up", "--port", str(port)], stdout=subprocess.PIPE,
+    api = ["--serve-port", str(api_port)] if serve else ["--no-serve"]
+    proc = subprocess.Popen([*RANKWATCH, "up", "--port", str(port), *api], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     banner_seen = threading.Event()
@@ -86,6 +116,11 @@ def test_up_starts_everything_and_ctrl_c_or_sigterm_stops_it_cleanly(tmp_path, s
         banner = "".join(lines)
         assert f"127.0.0.1:{port}" in banner and "memory only" in banner, banner
         assert not port_is_free("127.0.0.1", port)
+        if serve:
+            assert f"api      http://127.0.0.1:{api_port}/ (openapi.json, runs, metrics)" in banner, banner
+            _api_answers(f"http://127.0.0.1:{api_port}/", f"127.0.0.1:{port}", run_id)
+        else:
+            assert "api      off (--no-serve)" in banner and port_is_free("127.0.0.1", api_port), banner
         proc.send_signal(stop)
         try:
             code = proc.wait(30)
@@ -99,7 +134,7 @@ def test_up_starts_everything_and_ctrl_c_or_sigterm_stops_it_cleanly(tmp_path, s
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert port_is_free("127.0.0.1", port)  # the broker went down with it
+    assert port_is_free("127.0.0.1", port) and port_is_free("127.0.0.1", api_port)  # all went down with it
 
 
 _SUPERVISOR = """
