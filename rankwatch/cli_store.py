@@ -65,6 +65,29 @@ def cmd_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prune(args: argparse.Namespace) -> int:
+    import time
+
+    from rankwatch.sinks.store import PRUNED_TABLES, ReportStore, store_url
+
+    if not args.older_than >= 0:
+        raise RankwatchError(f"--older-than takes days, 0 or more; got {args.older_than:g}")
+    settings = _settings(args)
+    _open_for_reading(settings)  # no store: say so rather than create an empty one
+    before = time.time() - args.older_than * 86_400
+    store = ReportStore(store_url(settings))
+    try:
+        result = store.prune(before, dry_run=args.dry_run)
+    finally:
+        store.close()
+    for run, last_ts in result.runs:
+        print(f"{run}  last active {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(last_ts))}")
+    counts = ", ".join(f"{result.rows[t]:,} {t.replace('_', ' ')}" for t in PRUNED_TABLES)
+    print(f"{'would prune' if args.dry_run else 'pruned'} {len(result.runs)} run(s) last active more than "
+          f"{args.older_than:g} day(s) ago: {counts}", file=sys.stderr)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from rankwatch.sinks.eval_reports import as_json, format_table
     from rankwatch.sinks.store_query import Filters, parse_since, parse_steps
@@ -168,6 +191,18 @@ def add_commands(add, bootstrap) -> None:
     bootstrap(p)
     store_option(p)
     p.add_argument("--once", action="store_true", help="store what is on the topics, then exit")
+    actions = p.add_subparsers(dest="store_action", metavar="ACTION", help="prune: delete old runs (without an "
+                               "action, store copies the topics into the report store)")
+    q = actions.add_parser("prune", help="delete the runs last active more than DAYS ago",
+                           description="Delete the rollups, eval reports and alerts of every run whose newest row is "
+                           "older than DAYS days, in one transaction (SQLite's file keeps its size and reuses the "
+                           "space; VACUUM it while nothing writes to shrink it).")
+    q.set_defaults(func=cmd_prune)
+    q.add_argument("--older-than", type=float, required=True, metavar="DAYS",
+                   help="prune runs whose last activity is more than DAYS days old (fractions allowed)")
+    q.add_argument("--dry-run", action="store_true", help="list the runs and count their rows; delete nothing")
+    q.add_argument("--store", metavar="URL", default=argparse.SUPPRESS,  # SUPPRESS: `store --store U prune` keeps U
+                   help="report store (default: as for store)")
     p.add_argument("--from-beginning", action="store_true",
                    help="read every partition from its start, not from the position the store saved: for a broker "
                         "that started empty (`up` gives it for the embedded broker); stored rows are not duplicated")

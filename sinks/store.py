@@ -89,6 +89,12 @@ class Database:
 
 
 @dataclass
+class PruneResult:
+    runs: list[tuple[str, float]]  # (run, last activity in Unix seconds), oldest first
+    rows: dict[str, int]  # table -> rows deleted (or that would be, on a dry run)
+
+
+@dataclass
 class WriteResult:
     rollups: int = 0
     eval_reports: int = 0
@@ -152,6 +158,34 @@ class ReportStore:
         result.rollups, result.eval_reports, result.alerts = len(rollups), len(reports), len(alerts)
         return result
 
+
+    def prune(self, before_ts: float, *, dry_run: bool = False) -> PruneResult:
+        """Delete the rollups, eval reports and alerts of every run whose last activity (the newest ``ts`` of
+        any of its rows) is before ``before_ts``, and the run itself; one transaction. The sink's positions
+        stay, so what was pruned is not read back from the topics. On PostgreSQL the runs' rows are locked
+        first: a write to one of them waits, and lands after the prune, as a run that starts over."""
+        sql, lock = self.db.dialect.sql, " FOR UPDATE" if self.db.dialect is POSTGRES else ""
+        rows: dict[str, int] = {}
+        with self.db.transaction(exclusive=self.db.dialect is SQLITE) as cur:  # SQLite: take the write lock now
+            cur.execute(sql(f"SELECT run, last_ts FROM runs WHERE last_ts < ? ORDER BY last_ts, run{lock}"),
+                        (before_ts,))
+            runs = [(run, last_ts) for run, last_ts in cur.fetchall()]
+            names = [run for run, _ in runs]
+            for table in (*PRUNED_TABLES, "runs"):
+                rows[table] = 0
+                for i in range(0, len(names), 500):  # SQLite takes at most 32766 parameters
+                    chunk = names[i:i + 500]
+                    where = f"run IN ({', '.join('?' * len(chunk))})"
+                    if dry_run:
+                        cur.execute(sql(f"SELECT COUNT(*) FROM {table} WHERE {where}"), chunk)
+                        rows[table] += cur.fetchone()[0]
+                    else:
+                        cur.execute(sql(f"DELETE FROM {table} WHERE {where}"), chunk)
+                        rows[table] += cur.rowcount
+        return PruneResult(runs=runs, rows=rows)
+
+
+PRUNED_TABLES = ("rollups", "eval_reports", "alerts")
 
 UPSERT_REPORT = """
 INSERT INTO eval_reports (run, eval_id, step, revision, complete, provisional, world_size, body, ts)

@@ -3,6 +3,7 @@ migrations, and the queries behind ``rankwatch report`` / ``runs`` and the HTTP 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -130,6 +131,51 @@ def test_filters(store):
     [run] = q.runs()
     assert (run["run"], run["first_step"], run["last_step"], run["alerts"], run["firing"]) == ("r1", 0, 29, 1, 0)
     assert {m["metric"] for m in q.metrics("r1")} == {"loss", "grad_norm"}
+
+
+def test_prune_deletes_every_row_of_the_runs_last_active_before_the_cutoff(store):
+    # "old" was last active at ts 300 (its alert), "new" at 5000: a cutoff between them prunes only "old".
+    old = [rollup(run="old", ts=100.0), rollup(run="old", rank=1, start=10, ts=200.0), report(run="old")]
+    new = [rollup(run="new", ts=100.0), rollup(run="new", start=10, ts=5000.0), report(run="new")]
+    store.write(records(*old, *new) + records(alert(run="old", ts=300.0), alert(run="new"), topic="rankwatch.alerts"))
+    q = Queries(store.db)
+    kept = {"rollups": q.rollups("new"), "reports": q.eval_reports("new"), "alerts": q.alerts("new")}
+    dry = store.prune(300.5, dry_run=True)
+    assert [run for run, _ in dry.runs] == ["old"] and dry.runs[0][1] == 300.0
+    assert dry.rows == {"rollups": 4, "eval_reports": 1, "alerts": 1, "runs": 1}  # 2 windows, 2 run-wide rows
+    assert len(q.rollups("old")) == 4  # a dry run deletes nothing
+
+    assert store.prune(300.0).runs == []  # not before the cutoff: last active exactly at it
+    result = store.prune(300.5)
+    assert (result.runs, result.rows) == (dry.runs, dry.rows)
+    assert (q.rollups("old"), q.eval_reports("old"), q.alerts("old")) == ([], [], [])
+    assert [r["run"] for r in q.runs()] == ["new"]
+    assert {"rollups": q.rollups("new"), "reports": q.eval_reports("new"), "alerts": q.alerts("new")} == kept
+    assert store.prune(300.5).rows == {"rollups": 0, "eval_reports": 0, "alerts": 0, "runs": 0}
+    assert store.offsets() == {("rankwatch.reports", 0): 6, ("rankwatch.alerts", 0): 2}  # not read back
+
+
+def test_store_prune_command(tmp_path, capsys):
+    import time
+
+    from rankwatch.cli import main
+
+    path = str(tmp_path / "store.db")
+    s = ReportStore(path)
+    now = time.time()
+    s.write(records(rollup(run="month-old", ts=now - 31 * 86400), rollup(run="today", ts=now - 3600)))
+    s.close()
+    assert main(["store", "prune", "--older-than", "30", "--dry-run", "--store", path]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("month-old  last active ") and "would prune 1 run(s)" in err and "2 rollups" in err
+    assert main(["store", "--store", path, "prune", "--older-than", "30"]) == 0
+    assert "pruned 1 run(s) last active more than 30 day(s) ago: 2 rollups, 0 eval reports, 0 alerts" in \
+        capsys.readouterr().err
+    assert main(["runs", "--json", "--store", path]) == 0
+    assert [r["run"] for r in json.loads(capsys.readouterr().out)] == ["today"]
+    assert main(["store", "prune", "--older-than", "-1", "--store", path]) == 2
+    assert main(["store", "prune", "--older-than", "1", "--store", str(tmp_path / "none.db")]) == 2
+    assert not (tmp_path / "none.db").exists()
 
 
 def test_migrations_run_once_and_a_newer_schema_is_refused(store):
