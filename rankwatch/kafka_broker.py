@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rankwatch.admin import wait_for_broker
@@ -88,19 +88,27 @@ class KafkaNode:
     """One combined broker + controller KRaft node; its files live under ``node_dir``."""
 
     def __init__(self, *, node_id: int, host: str, port: int, controller_port: int, voters: str,
-                 node_dir: Path, config: Mapping[str, str], log_path: Path | None = None):
+                 node_dir: Path, config: Mapping[str, str], log_path: Path | None = None,
+                 listeners: Mapping[str, int] | None = None, scram: Sequence[str] = ()):
         self.node_id, self.host, self.port, self.controller_port = node_id, host, port, controller_port
         self.node_dir = Path(node_dir)
         self.log_path = Path(log_path) if log_path else self.node_dir / "server.log"
+        # Listeners besides PLAINTEXT (which readiness checks and replication use), each named as its
+        # security protocol (SASL_SSL: port): their settings (keystore, SASL) come in ``config``.
+        more = {**listeners} if listeners else {}
+        self.scram = tuple(scram)  # kafka-storage format --add-scram entries: SCRAM users made at format time
         self.properties = {
             **config,
             "process.roles": "broker,controller",
             "node.id": str(node_id),
             "controller.quorum.voters": voters,
-            "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller_port}",
-            "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+            "listeners": ",".join([f"PLAINTEXT://{host}:{port}", *(f"{n}://{host}:{p}" for n, p in more.items()),
+                                   f"CONTROLLER://{host}:{controller_port}"]),
+            "advertised.listeners": ",".join([f"PLAINTEXT://{host}:{port}",
+                                              *(f"{n}://{host}:{p}" for n, p in more.items())]),
             "controller.listener.names": "CONTROLLER",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "listener.security.protocol.map": ",".join(["PLAINTEXT:PLAINTEXT", *(f"{n}:{n}" for n in more),
+                                                        "CONTROLLER:PLAINTEXT"]),
             "inter.broker.listener.name": "PLAINTEXT",
             "log.dirs": str(self.node_dir / "data"),
         }
@@ -132,7 +140,8 @@ class KafkaNode:
         if self.formatted:
             return None
         props = self.node_dir / "server.properties"
-        cmd = self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props), heap="256m")
+        scram = [arg for entry in self.scram for arg in ("--add-scram", entry)]
+        cmd = self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props), *scram, heap="256m")
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
 
     def launch(self) -> None:
@@ -198,16 +207,19 @@ class KafkaCluster:
     """``n`` combined KRaft nodes on loopback, each with its own ports and data under ``data_dir``."""
 
     def __init__(self, data_dir: str | Path, *, n: int = 3, host: str = "127.0.0.1", ports: list[int] | None = None,
-                 config: str = CLUSTER, log_path: str | Path | None = None):
+                 config: str = CLUSTER, log_path: str | Path | None = None, properties: Mapping[str, str] | None = None,
+                 listeners: Mapping[str, int] | None = None, scram: Sequence[str] = ()):
+        """``properties`` add to (or override) the ``config`` file's; ``listeners`` and ``scram`` go to each node
+        (one node only, as they name ports: a SASL/TLS listener and its SCRAM users, for the security tests)."""
         self.data_dir = Path(data_dir)
         ports = ports or [free_port(host) for _ in range(n)]
         controller_ports = [free_port(host) for _ in range(n)]
         voters = ",".join(f"{i + 1}@{host}:{c}" for i, c in enumerate(controller_ports))
-        settings = read_properties(KAFKA_DIR / config)
+        settings = {**read_properties(KAFKA_DIR / config), **(properties or {})}
         self.nodes = [
             KafkaNode(node_id=i + 1, host=host, port=ports[i], controller_port=controller_ports[i], voters=voters,
                       node_dir=self.data_dir / f"node-{i + 1}", config=settings,
-                      log_path=log_path if n == 1 and log_path else None)
+                      log_path=log_path if n == 1 and log_path else None, listeners=listeners, scram=scram)
             for i in range(n)
         ]
 
@@ -268,10 +280,12 @@ class KafkaBroker:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9092, log_path: str | Path | None = None,
-                 data_dir: str | Path = ".rankwatch"):
+                 data_dir: str | Path = ".rankwatch", *, properties: Mapping[str, str] | None = None,
+                 listeners: Mapping[str, int] | None = None, scram: Sequence[str] = ()):
+        """``properties``, ``listeners`` and ``scram``: see :class:`KafkaCluster` (``bootstrap`` stays the PLAINTEXT one)."""
         self.host, self.port = host, port
         self._cluster = KafkaCluster(Path(data_dir) / "kafka", n=1, host=host, ports=[port], config=SINGLE,
-                                     log_path=log_path)
+                                     log_path=log_path, properties=properties, listeners=listeners, scram=scram)
         self.log_path = self._cluster.nodes[0].log_path
 
     @property
