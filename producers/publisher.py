@@ -156,10 +156,11 @@ class RankPublisher:
         elastic = env.get("TORCHELASTIC_RUN_ID", "")
         run = env.get("RANKWATCH_RUN") or (elastic if elastic != "none" else "")  # torchrun's placeholder
         settings = Settings.from_env(env)
-        kwargs: dict[str, Any] = {"run": run, "bootstrap": settings.bootstrap, "spool_dir": settings.spool_dir,
-                                  "producer_config": settings.security.kafka_python()}  # SASL/TLS: to the shipper
+        kwargs: dict[str, Any] = {"run": run, "bootstrap": settings.bootstrap, "spool_dir": settings.spool_dir}
         kwargs.update(zip(("rank", "world_size", "local_rank"), rank_identity(env)))
         kwargs.update(overrides)
+        # SASL/TLS from the settings go to the shipper; a given producer_config adds to them.
+        kwargs["producer_config"] = {**settings.security.kafka_python(), **(overrides.get("producer_config") or {})}
         if not kwargs["run"]:
             raise ValueError("no run id: set RANKWATCH_RUN (the same on every rank) or pass run=")
         return cls(**kwargs)

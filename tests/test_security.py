@@ -158,3 +158,21 @@ def test_auth_errors_become_one_line_without_the_password():
     # Not a Kafka error, or no security configured: nothing to ask the broker about.
     assert explain_failure(ValueError("x"), "broker:9093", Settings.from_env(SASL_ENV).security) is None
     assert explain_failure(KafkaTimeoutError("Unable to bootstrap"), "127.0.0.1:1", PLAINTEXT) is None
+
+
+def test_from_env_hands_the_security_to_the_shipper_in_its_environment_not_its_command_line(tmp_path):
+    import json
+
+    from rankwatch.producers import RankPublisher
+
+    env = {**SASL_ENV, "RANKWATCH_RUN": "r", "RANKWATCH_BOOTSTRAP": "127.0.0.1:1", "RANKWATCH_SPOOL_DIR": str(tmp_path)}
+    pub = RankPublisher.from_env(env, rank=0, world_size=1, drain_s=0, connect_timeout_s=0.5, samplers=[],
+                                 producer_config={"acks": 1})
+    try:
+        config = json.loads(pub._shipper._config)  # what the shipper process gets as RANKWATCH_PRODUCER_CONFIG
+        args = pub._shipper._args
+    finally:
+        pub.close(timeout_s=10)
+    assert config["security_protocol"] == "SASL_SSL" and config["sasl_plain_password"] == SECRET
+    assert config["acks"] == 1  # a given producer_config adds to the settings' security
+    assert not any(SECRET in arg for arg in args)
