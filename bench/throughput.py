@@ -14,6 +14,12 @@ x K messages x (S steps x M metrics) in the documented JSON format (``rankwatch.
 Prints a table; asserts nothing. The broker, the bench and the workers share the machine's cores.
 
     python bench/throughput.py --ranks 1024 --messages 10 --steps 64 --metrics 16 --workers 1 2 4
+
+``--profile`` (or ``--profile pyinstrument``, a sampling profiler, if installed) starts no broker: it runs stage 1's per-batch work in this process (the contract decode,
+``batching.process_batch`` as the worker calls it, and the rank state's JSON for the changelog) on the
+same simulated messages under cProfile, and prints the top functions by own and by cumulative time.
+
+    python bench/throughput.py --profile --ranks 32 --messages 10
 """
 
 from __future__ import annotations
@@ -143,6 +149,51 @@ def trial(args, workers: int) -> dict:
             "decode_cpu": d_cpu, "worker_wall": w_wall, "worker_cpu": w_cpu}
 
 
+def profile_stage1(args) -> None:
+    """Stage 1's per-batch work in-process under cProfile (no broker, no Faust)."""
+    import cProfile
+    import pstats
+
+    from rankwatch.stream_processors.batching import process_batch
+    from rankwatch.stream_processors.processor import TelemetryProcessor
+
+    sim = QuietRanks(run="profile", ranks=args.ranks, metrics=args.metrics, steps_per_message=args.steps)
+    raw = [v for tick in range(args.messages) for _, v in sim.messages(tick, final=tick == args.messages - 1)]
+    processor = TelemetryProcessor()
+
+    def work() -> None:
+        table: dict[str, object] = {}
+        for lo in range(0, len(raw), args.ranks):  # one take: every rank's message of a tick
+            batches = [TelemetryBatch.from_bytes(data) for data in raw[lo : lo + args.ranks]]
+            out = process_batch(processor, batches, table.get, time.time())
+            for key, state in out.states.items():
+                table[key] = state
+                json.dumps(state.to_dict())  # what Faust writes to the changelog
+
+    values = len(raw) * args.steps * args.metrics
+    cpu = time.process_time()
+    work()
+    cpu = time.process_time() - cpu
+    print(f"{values:,} values in {cpu:.2f} CPU s: {values / cpu / 1e6:.3f} M values per CPU-second (no profiler)")
+    if args.profile == "pyinstrument":  # sampling: no per-call overhead, but wall time
+        from pyinstrument import Profiler
+
+        sampler = Profiler(interval=0.0005)
+        sampler.start()
+        work()
+        sampler.stop()
+        print(sampler.output_text(unicode=False, color=False, show_all=False))
+        return
+    profiler = cProfile.Profile(time.process_time)  # CPU time: other jobs on the machine do not count
+    cpu = time.process_time()
+    profiler.runcall(work)
+    cpu = time.process_time() - cpu
+    print(f"under cProfile: {cpu:.2f} CPU s")
+    stats = pstats.Stats(profiler).strip_dirs()
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=256)
@@ -152,7 +203,12 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--workers", type=int, nargs="+", default=[1])
     ap.add_argument("--timeout-s", type=float, default=600)
+    ap.add_argument("--profile", nargs="?", const="cprofile", choices=["cprofile", "pyinstrument"],
+                    help="profile stage 1 in this process, no broker (pyinstrument: if installed)")
+    ap.add_argument("--top", type=int, default=25, help="functions the profile lists")
     args = ap.parse_args()
+    if args.profile:
+        return profile_stage1(args)
     rows = [trial(args, n) for n in args.workers]
     load = os.getloadavg()
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, {os.cpu_count()} CPUs, "
