@@ -27,7 +27,7 @@ def connect_admin(bootstrap: str, timeout_s: float = 10.0, *, security: KafkaSec
         except KafkaError as exc:  # NoBrokersAvailable while the broker starts
             last = exc
             time.sleep(0.1)
-    raise BrokerError(f"no Kafka broker answered at {bootstrap} within {timeout_s:.0f}s ({last})")
+    raise BrokerError(f"no Kafka broker answered at {bootstrap} within {timeout_s:.0f}s ({last})") from last
 
 
 def wait_for_broker(bootstrap: str, timeout_s: float = 10.0, *, security: KafkaSecurity = PLAINTEXT) -> None:

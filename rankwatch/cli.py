@@ -422,17 +422,16 @@ def main(argv: list[str] | None = None) -> int:
         on_term = signal.signal(signal.SIGTERM, _like_ctrl_c)
     try:
         return args.func(args)
-    except RankwatchError as exc:
-        print(f"rankwatch: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a Kafka client's refused login or TLS handshake: one line that names it
+    except Exception as exc:
+        # A Kafka client's refused login or TLS handshake (also behind "no broker answered"): one line naming it.
         from rankwatch.security import explain_failure, is_client_failure
 
-        settings = _settings(args) if is_client_failure(exc) else None
-        line = settings and explain_failure(exc, settings.bootstrap, settings.security)
-        if not line:
+        cause = exc.__cause__ if isinstance(exc, RankwatchError) else exc
+        settings = _settings(args) if cause is not None and is_client_failure(cause) else None
+        line = settings and explain_failure(cause, settings.bootstrap, settings.security)
+        if not line and not isinstance(exc, RankwatchError):
             raise
-        print(f"rankwatch: error: {line}", file=sys.stderr)
+        print(f"rankwatch: error: {line or exc}", file=sys.stderr)
         return 2
     finally:
         if on_term is not None:

@@ -63,47 +63,102 @@ def prior_counts(sf: Callable[[np.ndarray], np.ndarray], weight: float) -> list[
     return (weight * mass / max(mass.sum(), 1e-300)).tolist()
 
 
+#: Each bin's midpoint: where the tail fit places the excesses that fell in it.
+_MIDS = 0.5 * (EDGES[:-1] + EDGES[1:])
+_BIN = np.arange(BINS)
+
+
+def bin_of(s: np.ndarray) -> np.ndarray:
+    """The histogram bin of each learned value (in [0, S_MAX])."""
+    return np.minimum((np.log1p(s) * (BINS / _T_MAX)).astype(np.int64), BINS - 1)
+
+
+def fit_rows(counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The fitted model of each row of bin counts (``TailModel`` below, one row per refit): the
+    survival at each edge, ``u``, the survival at ``u``, the tail's shape and scale. Rows are fitted
+    independently and each alike whatever the others, so a batch of refits gives what one at a time does."""
+    counts = np.asarray(counts, dtype=np.float64).reshape(-1, BINS)
+    rows = np.arange(len(counts))
+    total = counts.sum(axis=1)
+    # Survival at each edge: the mass of the bins at or above it.
+    sf = np.zeros((len(counts), BINS + 1))
+    sf[:, :BINS] = np.cumsum(counts[:, ::-1], axis=1)[:, ::-1]
+    sf /= total[:, None]
+    k = np.maximum(np.argmax(sf <= 1.0 - TAIL, axis=1), 1)  # the first edge whose survival is within the tail
+    u, sf_u = EDGES[k], sf[rows, k]
+    tail = np.where(_BIN >= k[:, None], counts, 0.0)
+    mids = _MIDS - u[:, None]
+    weight = tail.sum(axis=1)
+    some = weight > 0
+    safe = np.where(some, weight, 1.0)
+    mean = (tail * mids).sum(axis=1) / safe
+    var = (tail * (mids - mean[:, None]) ** 2).sum(axis=1) / safe
+    # The width of a bin is the resolution: excesses cannot be told apart more finely.
+    half_bin = np.where(k < BINS, 0.5 * (EDGES[np.minimum(k + 1, BINS)] - EDGES[k]), mean)
+    mean = np.maximum(np.maximum(mean, half_bin), 1e-3)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        xi = np.where(var > 0, 0.5 * (1.0 - mean * mean / var), 0.0)
+    # The moment estimate of the shape is noisy from the ~100 excesses of a 1,000-point memory,
+    # and a heavy tail read into thin data makes a 10-sigma point look ordinary: shrink it
+    # towards the exponential tail by the amount of evidence, and cap it.
+    xi = np.clip(xi * (weight / (weight + SHAPE_PRIOR)), 0.0, MAX_SHAPE)
+    sigma = mean * (1.0 - xi)
+    # Nothing was ever above u: decay like the last bin below it, a conservative guess.
+    xi = np.where(some, xi, 0.0)
+    sigma = np.where(some, sigma, np.maximum(EDGES[k] - EDGES[k - 1], 1e-3))
+    return sf, u, sf_u, xi, sigma
+
+
+def survival_rows(s: np.ndarray, sf: np.ndarray, u: np.ndarray, sf_u: np.ndarray, xi: np.ndarray,
+                  sigma: np.ndarray) -> np.ndarray:
+    """``TailModel.survival`` of each ``s[i]`` under the model in row ``i`` of ``fit_rows``' output."""
+    out = np.ones(len(s))
+    beyond = s >= u  # NaN and s <= 0 survive with probability 1
+    body = np.flatnonzero((s > 0.0) & ~beyond)
+    if len(body):
+        t = np.log1p(s[body]) * (BINS / _T_MAX)
+        i = np.minimum(t.astype(np.int64), BINS - 1)
+        lo, hi = sf[body, i], sf[body, i + 1]
+        out[body] = lo + (t - i) * (hi - lo)
+    far = np.flatnonzero(beyond & (s > 0.0))
+    if len(far):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            z = (s[far] - u[far]) / sigma[far]
+            x = xi[far]
+            heavy = np.where(z < 1e300, np.exp(-np.log1p(x * z) / np.where(x > 0, x, 1.0)), 0.0)
+            light = np.where(z < 1e3, np.exp(-z), 0.0)
+        out[far] = sf_u[far] * np.where(x > 0, heavy, light)
+    return out
+
+
 class TailModel:
-    """The learned distribution of a non-negative statistic; ``score(s) = 1 - P(S >= s)``."""
+    """The learned distribution of a non-negative statistic; ``score(s) = 1 - P(S >= s)``.
+
+    ``update_many`` scores and learns a whole array at once, with the result of ``update`` on each
+    value in turn: between two refits the model is fixed, and the refits of a batch are fitted
+    together (``fit_rows``)."""
 
     def __init__(self, counts: Sequence[float], pending: Sequence[float] = (), *, memory: int = 1000):
         if len(counts) != BINS:
             raise ValueError(f"a tail model has {BINS} bin counts")
-        self.counts = [float(c) for c in counts]
+        self.counts = np.array(counts, dtype=np.float64)
         self.pending = [float(p) for p in pending][:REFIT]
         self.memory = memory
-        self._fit()
+        self._keep = 1.0 - 1.0 / memory
+        self._set(fit_rows(self.counts), 0)
 
     def state(self) -> list:
-        return [list(self.counts), list(self.pending)]
+        return [self.counts.tolist(), list(self.pending)]
 
-    def _fit(self) -> None:
-        counts = np.asarray(self.counts)
-        total = counts.sum()
-        # Survival at each edge: the mass of the bins at or above it.
-        sf = np.r_[np.cumsum(counts[::-1])[::-1], 0.0] / total
-        self._sf = sf.tolist()
-        k = int(np.argmax(sf <= 1.0 - TAIL))  # the first edge whose survival is within the tail
-        k = max(k, 1)
-        self._u, self._sf_u = float(EDGES[k]), float(sf[k])
-        tail = counts[k:]
-        mids = np.r_[0.5 * (EDGES[k:-1] + EDGES[k + 1 :]), EDGES[-1]][: len(tail)] - self._u
-        weight = tail.sum()
-        if weight <= 0:
-            # Nothing was ever above u: decay like the last bin below it, a conservative guess.
-            self._xi, self._sigma = 0.0, max(float(EDGES[k] - EDGES[k - 1]), 1e-3)
-            return
-        mean = float((tail * mids).sum() / weight)
-        var = float((tail * (mids - mean) ** 2).sum() / weight)
-        # The width of a bin is the resolution: excesses cannot be told apart more finely.
-        mean = max(mean, 0.5 * float(EDGES[k + 1] - EDGES[k]) if k < BINS else mean, 1e-3)
-        xi = 0.5 * (1.0 - mean * mean / var) if var > 0 else 0.0
-        # The moment estimate of the shape is noisy from the ~100 excesses of a 1,000-point memory,
-        # and a heavy tail read into thin data makes a 10-sigma point look ordinary: shrink it
-        # towards the exponential tail by the amount of evidence, and cap it.
-        xi *= weight / (weight + SHAPE_PRIOR)
-        self._xi = min(max(xi, 0.0), MAX_SHAPE)
-        self._sigma = mean * (1.0 - self._xi)
+    def _set(self, fit: tuple[np.ndarray, ...], row: int) -> None:
+        sf, u, sf_u, xi, sigma = fit
+        self._fit_row = tuple(a[row : row + 1] for a in fit)  # for survival_rows
+        self._sf = sf[row].tolist()
+        self._u, self._sf_u, self._xi, self._sigma = float(u[row]), float(sf_u[row]), float(xi[row]), float(sigma[row])
+
+    def _decayed(self, counts: np.ndarray, learned: np.ndarray) -> np.ndarray:
+        """The counts after a refit on ``learned``: old mass forgotten per point, one count per point."""
+        return counts * self._keep ** len(learned) + np.bincount(bin_of(learned), minlength=BINS)
 
     def survival(self, s: float) -> float:
         """P(S >= s) under the model."""
@@ -122,18 +177,20 @@ class TailModel:
     def score(self, s: float) -> float:
         return 1.0 - self.survival(s)
 
+    def score_many(self, s: np.ndarray) -> np.ndarray:
+        """``score`` of each value, as ``update_many`` scores them (numpy's float functions, not math's)."""
+        s = np.asarray(s, dtype=np.float64)
+        return 1.0 - survival_rows(s, *(p[np.zeros(len(s), dtype=np.int64)] for p in self._fit_row))
+
     def learn(self, s: float) -> None:
         if not math.isfinite(s):
             s = S_MAX
         self.pending.append(min(max(s, 0.0), S_MAX))
         if len(self.pending) < REFIT:
             return
-        decay = (1.0 - 1.0 / self.memory) ** len(self.pending)
-        counts = [c * decay for c in self.counts]
-        for p in self.pending:
-            counts[min(int(math.log1p(p) / _T_MAX * BINS), BINS - 1)] += 1.0
-        self.counts, self.pending = counts, []
-        self._fit()
+        self.counts = self._decayed(self.counts, np.asarray(self.pending))
+        self.pending = []
+        self._set(fit_rows(self.counts), 0)
 
     def quantile(self, p: float) -> float:
         """The statistic whose survival is ``p``: the smallest value that scores ``1 - p``."""
@@ -149,6 +206,65 @@ class TailModel:
                 t = (i + (hi - p) / (hi - lo)) / BINS * _T_MAX
                 return math.expm1(t)
         return self._u
+
+    def update_many(self, s: np.ndarray, threshold: float) -> np.ndarray:
+        """``update(v, threshold)`` for each ``v`` of ``s`` in order; returns the scores.
+
+        Optimistic: every refit of the batch is fitted at once, assuming no value reaches the
+        threshold (on clean data one in a million does). From the first block that holds one, the
+        batch is taken again with that block learned clipped, as ``update`` learns it.
+        """
+        s = np.asarray(s, dtype=np.float64)
+        scores = np.empty(len(s))
+        done = 0
+        while done < len(s):
+            rest = s[done:]
+            learned = np.clip(np.where(np.isfinite(rest), rest, S_MAX), 0.0, S_MAX)
+            # Refits happen after the values before each of ``ends`` are learned.
+            ends = list(range(max(REFIT - len(self.pending), 1), len(rest) + 1, REFIT))
+            counts, rows, start = self.counts, [], 0
+            for i, end in enumerate(ends):
+                block = learned[start:end]
+                if i == 0 and self.pending:
+                    block = np.concatenate([self.pending, block])
+                counts = self._decayed(counts, block)
+                rows.append(counts)
+                start = end
+            fits = fit_rows(np.array(rows)) if rows else None
+            # The model each value is scored under: 0 the present one, j + 1 the one after refit j.
+            which = np.searchsorted(np.asarray(ends, dtype=np.int64), np.arange(len(rest)), side="right")
+            if fits is None:
+                params = self._fit_row
+                which = np.zeros(len(rest), dtype=np.int64)
+            else:
+                params = tuple(np.concatenate([p, q]) for p, q in zip(self._fit_row, fits))
+            got = 1.0 - survival_rows(rest, *(p[which] for p in params))
+            hits = np.flatnonzero(got >= threshold)
+            if not len(hits):
+                scores[done:] = got
+                if rows:
+                    self.counts = rows[-1]
+                    self._set(fits, len(rows) - 1)
+                    self.pending = learned[ends[-1] :].tolist()
+                else:
+                    self.pending += learned.tolist()
+                return scores
+            # The first block that holds a hit: the blocks before it stand, and its scores too (they
+            # were scored under the model before it); it is learned clipped, the rest taken again.
+            block = int(which[hits[0]])
+            lo = ends[block - 1] if block else 0
+            hi = ends[block] if block < len(ends) else len(rest)
+            if block:
+                self.counts = rows[block - 1]
+                self._set(fits, block - 1)
+                self.pending = []
+            cap = self.quantile(1.0 - threshold)
+            clipped = np.where(got[lo:hi] >= threshold, np.minimum(learned[lo:hi], cap), learned[lo:hi])
+            for v in clipped.tolist():
+                self.learn(v)
+            scores[done : done + hi] = got[:hi]
+            done += hi
+        return scores
 
     def update(self, s: float, threshold: float) -> float:
         """Score ``s``, then learn it; beyond ``threshold`` it is learned only up to the threshold's

@@ -12,7 +12,7 @@ from rankwatch.stream_processors.detectors.seasonal import detect_period, phase_
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
     check_direction,
-    directed_one,
+    directed,
     median_rows,
     standardise,
     tail_sigma,
@@ -158,40 +158,50 @@ class RobustSpike(Detector):
         points = series[first:]
         return self._adjust(standardise(points, center, scale), points, center)
 
-    def _score_z(self, z: float) -> float:
-        return self.calib.score(directed_one(z, self.direction))
-
     def score(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
         scores = np.zeros(len(values))
         if len(self.history) < self.warmup:
             return scores
         history = np.asarray(self.history)
-        for i in np.flatnonzero(np.isfinite(values)).tolist():
-            series = np.r_[history, self._transform(values[i : i + 1])]
-            scores[i] = self._score_z(float(self._z_stretch(series, len(history))[0]))
+        finite = np.flatnonzero(np.isfinite(values))
+        z = [self._z_stretch(np.r_[history, self._transform(values[i : i + 1])], len(history))
+             for i in finite.tolist()]
+        if z:
+            scores[finite] = self.calib.score_many(directed(np.concatenate(z), self.direction))
         return scores
 
     def learn(self, values: np.ndarray) -> None:
         self.update(values)
 
-    def _learn_z(self, z: float, score: float) -> bool:
-        """Fold one post-warm-up z into the tail model and the shift run; True if the level changed."""
-        magnitude = directed_one(z, self.direction)
-        if score >= self.threshold:
-            magnitude = min(magnitude, self.calib.quantile(1.0 - self.threshold))
-        self.calib.learn(magnitude)  # as TailModel.update does, with the score already known
-        if abs(z) < SHIFT_Z or not math.isfinite(z):
+    def _shift(self, z: np.ndarray) -> int | None:
+        """Advance the count of consecutive far points on one side over the post-warm-up ``z``; the
+        index of the point that confirms a level change (``rebase`` in a row), where the count stops,
+        or None."""
+        far = np.abs(z) >= SHIFT_Z
+        far &= np.isfinite(z)
+        hits = np.flatnonzero(far)
+        if not len(hits):  # the usual case: every point resets the run
+            if len(z):
+                self.run = 0
+            return None
+        if hits[0]:
             self.run = 0
-            return False
-        side = 1 if z > 0 else -1
-        self.run = self.run + side if self.run * side > 0 else side
-        return bool(self.rebase) and abs(self.run) >= self.rebase
+        for i, zi in enumerate(z[hits[0] :].tolist(), int(hits[0])):
+            if abs(zi) < SHIFT_Z or not math.isfinite(zi):
+                self.run = 0
+                continue
+            side = 1 if zi > 0 else -1
+            self.run = self.run + side if self.run * side > 0 else side
+            if self.rebase and abs(self.run) >= self.rebase:
+                return i
+        return None
 
     def update(self, values: np.ndarray) -> np.ndarray:
         # Within a stretch (no level change, no period check) every point's z is known up front,
         # since the history grows by the finite points whatever their scores: one numpy pass per
-        # stretch, and only the tail model and the shift test go point by point.
+        # stretch for the z, one for the tail model (``TailModel.update_many``), and the shift
+        # test goes point by point only from the first point 4 sigmas off.
         values = np.asarray(values, dtype=np.float64)
         finite = np.flatnonzero(np.isfinite(values))
         points = self._transform(values[finite])
@@ -206,18 +216,20 @@ class RobustSpike(Detector):
             z = np.full(stop - done, np.nan)
             if first < len(series):
                 z[first - start :] = self._z_stretch(series, first)
+            # Warm-up points (the first ones, z NaN) score 0 and teach the tail model nothing.
+            warm = max(first - start, 0)
+            shift = self._shift(z[warm:])
+            upto = len(z) if shift is None else warm + shift + 1
+            # The tail model scores each point, then learns it (beyond the threshold only up to
+            # the threshold's quantile): a deviation that recurs becomes normal, one fault does not.
+            s = self.calib.update_many(directed(z[warm:upto], self.direction), self.threshold)
             rebased = None
-            for i, zi in enumerate(z.tolist()):
-                if zi == zi:  # not warm-up
-                    s = self._score_z(zi)
-                    if self._learn_z(zi, s):
-                        # A level change is confirmed: ``rebase`` points in a row, each as rare as a
-                        # 4-sigma one, is far rarer than the threshold on clean data.
-                        s = max(s, 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
-                        rebased = i
-                    scores[finite[done + i]] = s
-                    if rebased is not None:
-                        break
+            if shift is not None:
+                # A level change is confirmed: ``rebase`` points in a row, each as rare as a
+                # 4-sigma one, is far rarer than the threshold on clean data.
+                s[-1] = max(s[-1], 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
+                rebased = upto - 1
+            scores[finite[done + warm : done + upto]] = s
             if rebased is None:
                 self.history = series[-self.span :].tolist()
                 self.seen += stop - done
@@ -228,8 +240,10 @@ class RobustSpike(Detector):
                 # rolling statistics and the recurring shape carry on from there.
                 upto = done + rebased + 1
                 run = abs(self.run)
-                before = series[: start + upto - done - run]
-                new = points[upto - run : upto]
+                # The run's points, from the series: those before this call are in the history (a
+                # run that began in an earlier batch moves as one that began in this one).
+                end = start + upto - done
+                before, new = series[: max(end - run, 0)], series[max(end - run, 0) : end]
                 delta = float(np.median(new) - np.median(before[-self.window :])) if len(before) else 0.0
                 self.history = np.r_[before + delta, new][-self.span :].tolist()
                 self.seen += upto - done
