@@ -25,7 +25,9 @@ class MetricState:
     def to_dict(self) -> dict:
         return {
             "detectors": {name: d.state_dict() for name, d in self.detectors.items()},
-            "conditions": {name: c.to_dict() for name, c in self.conditions.items()},
+            # ``Condition.to_dict`` is ``dataclasses.asdict``, whose deep copy costs more than the rest of
+            # this state together; a condition's fields are plain numbers, so its ``__dict__`` is the same.
+            "conditions": {name: dict(c.__dict__) for name, c in self.conditions.items()},
             "window": self.window.to_dict() if self.window else None,
         }
 
@@ -102,12 +104,19 @@ class TelemetryProcessor:
                 if rule is None:
                     continue  # the rules changed since this state was built; the detector retires
                 scores = detector.update(series.values)
+                anomalous = detector.decide(scores)
+                condition = ms.conditions.setdefault(name, Condition())
+                if not condition.firing and not anomalous.any():
+                    # What the policy does to a quiet condition over normal points, without its loop.
+                    if len(anomalous):
+                        condition.streak = 0
+                    continue
                 policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)
                 alerts += policy.apply(
-                    ms.conditions.setdefault(name, Condition()),
+                    condition,
                     run=batch.run, rank=batch.rank, metric=metric, detector=name,
                     severity=rule.severity or detector.severity, steps=series.steps, values=series.values,
-                    scores=scores, anomalous=detector.decide(scores), now=now,
+                    scores=scores, anomalous=anomalous, now=now,
                 )
             ms.window, closed = roll(ms.window, series.steps, series.values, self.rollup_steps)
             rollups += [

@@ -8,6 +8,8 @@ spell it) to its class; ``build(name, **params)`` makes one with clear errors.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 from rankwatch.stream_processors.detectors.base import Detector
@@ -33,13 +35,19 @@ BY_NAME: dict[str, type[Detector]] = {
 }
 
 
+@lru_cache(maxsize=None)
+def _parameters(cls: type[Detector]) -> Mapping[str, inspect.Parameter]:
+    # A worker builds every detector of every (rank, metric) it sees; inspect.signature is slow.
+    return inspect.signature(cls.__init__).parameters
+
+
 def build(name: str, **params: Any) -> Detector:
     """The detector called ``name`` with keyword ``params``; ValueError names the valid choices."""
     try:
         cls = BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown detector {name!r}; choose from {', '.join(sorted(BY_NAME))}") from None
-    signature = inspect.signature(cls.__init__).parameters
+    signature = _parameters(cls)
     for key, value in params.items():
         if key not in signature or key == "self":
             known = ", ".join(k for k, p in signature.items() if p.kind is p.KEYWORD_ONLY)
