@@ -140,6 +140,13 @@ def test_a_wrong_password_is_one_clear_error_line_and_no_secret_is_shown(secure,
     assert "refused the SASL login" in lines[0] and "SaslAuthenticationFailed" in lines[0], lines[0]
     assert tail.stdout == ""
 
+    # A worker: the same line (behind its "no broker answered"), and it stops.
+    worker = subprocess.run([*RANKWATCH, "worker"], capture_output=True, text=True, timeout=180,
+                            env={**_clean_env(), **wrong, "RANKWATCH_DATA_DIR": str(tmp_path / "worker")})
+    assert worker.returncode != 0
+    worker_lines = [line for line in (worker.stdout + worker.stderr).splitlines() if line.strip()]
+    assert len(worker_lines) == 1 and "refused the SASL login" in worker_lines[0], worker_lines
+
     # A publisher with the wrong password keeps its messages in the spool and says why, without the secret.
     pub = RankPublisher.from_env({**wrong, "RANKWATCH_RUN": "sasl-wrong", "RANKWATCH_SPOOL_DIR": str(tmp_path)},
                                  rank=0, world_size=1, linger_s=0.05, samplers=[], connect_timeout_s=2.0, drain_s=5.0)
@@ -148,5 +155,5 @@ def test_a_wrong_password_is_one_clear_error_line_and_no_secret_is_shown(secure,
     assert pub.stats().sent == 0 and pub.stats().spooled > 0
     shipper = capfd.readouterr()
     assert "rankwatch shipper: delivery to" in shipper.err  # it did say something
-    for text in (tail.stdout, tail.stderr, shipper.out, shipper.err):
+    for text in (tail.stdout, tail.stderr, worker.stdout, worker.stderr, shipper.out, shipper.err):
         assert WRONG not in text and PASSWORD not in text
