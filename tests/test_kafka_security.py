@@ -95,7 +95,7 @@ def test_a_nan_published_over_sasl_ssl_is_alerted_and_read_back_with_the_same_co
                                  rules=str(TEST_RULES))
     assert settings.security.security_protocol == "SASL_SSL"
     worker_output: list[str] = []
-    with Stack(settings, embedded=False, echo=worker_output.append) as stack:
+    with Stack(settings, embedded=False, echo=worker_output.append):
         # RankPublisher.from_env: the settings' security goes to the shipper process as its producer config.
         pub = RankPublisher.from_env({**secure, "RANKWATCH_RUN": run}, rank=0, world_size=1, linger_s=0.05,
                                      samplers=[])
