@@ -65,7 +65,10 @@ class Sketch:
         return math.nan if not self.count else float(self._digest.quantile(q))
 
     def quantiles(self) -> tuple[float, ...]:
-        return tuple(self.quantile(q) for q in QUANTILES)
+        if not self.count:
+            return tuple(math.nan for _ in QUANTILES)
+        quantile = self._digest.quantile
+        return tuple(float(quantile(q)) for q in QUANTILES)
 
     def __eq__(self, other) -> bool:  # same centroids: windows and states compare by value
         return isinstance(other, Sketch) and self.to_wire() == other.to_wire()

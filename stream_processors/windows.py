@@ -38,23 +38,32 @@ class Window:
             self.last_step = last if self.last_step is None else max(self.last_step, last)
         if len(values) == 1:
             return self._add_one(float(values[0]))
-        finite = values[np.isfinite(values)]
-        self.nonfinite += len(values) - len(finite)
-        if len(values):
-            self.last = float(values[-1])
+        if not len(values):
+            return
+        self.last = float(values[-1])
+        # The ufuncs' reductions straight, not the methods' Python wrappers: a window gets one block
+        # per metric per message. A finite sum means every value is finite (the usual case), and it
+        # is the sum ``mean`` would take.
+        b_sum = float(np.add.reduce(values))
+        finite = values
+        if not math.isfinite(b_sum):
+            finite = values[np.isfinite(values)]
+            self.nonfinite += len(values) - len(finite)
+            b_sum = float(np.add.reduce(finite))
         n = len(finite)
         if not n:
             return
-        b_mean = float(finite.mean())
-        b_m2 = float(((finite - b_mean) ** 2).sum())
+        b_mean = b_sum / n
+        deviations = finite - b_mean
+        b_m2 = float(np.add.reduce(deviations * deviations))
         total = self.count + n
         delta = b_mean - self.mean
         self.mean += delta * n / total
         self.m2 += b_m2 + delta * delta * self.count * n / total
         self.count = total
         self.sketch.add(finite)
-        self.min = min(self.min, float(finite.min()))
-        self.max = max(self.max, float(finite.max()))
+        self.min = min(self.min, float(np.minimum.reduce(finite)))
+        self.max = max(self.max, float(np.maximum.reduce(finite)))
 
     def _add_one(self, x: float) -> None:
         # Welford's update; one point per message is common (one step per batch) and numpy's

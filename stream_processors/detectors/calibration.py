@@ -222,14 +222,17 @@ class TailModel:
             learned = np.clip(np.where(np.isfinite(rest), rest, S_MAX), 0.0, S_MAX)
             # Refits happen after the values before each of ``ends`` are learned.
             ends = list(range(max(REFIT - len(self.pending), 1), len(rest) + 1, REFIT))
-            counts, rows, start = self.counts, [], 0
-            for i, end in enumerate(ends):
-                block = learned[start:end]
-                if i == 0 and self.pending:
-                    block = np.concatenate([self.pending, block])
-                counts = self._decayed(counts, block)
-                rows.append(counts)
-                start = end
+            rows = []
+            if ends:
+                # Each refit's new counts at once (as ``_decayed`` makes them one refit at a time).
+                refitted = np.concatenate([self.pending, learned[: ends[-1]]])
+                sizes = [len(self.pending) + ends[0]] + [REFIT] * (len(ends) - 1)
+                block = np.repeat(np.arange(len(ends)), sizes)
+                added = np.bincount(block * BINS + bin_of(refitted), minlength=len(ends) * BINS)
+                counts = self.counts
+                for size, new in zip(sizes, added.reshape(len(ends), BINS)):
+                    counts = counts * self._keep**size + new
+                    rows.append(counts)
             fits = fit_rows(np.array(rows)) if rows else None
             # The model each value is scored under: 0 the present one, j + 1 the one after refit j.
             which = np.searchsorted(np.asarray(ends, dtype=np.int64), np.arange(len(rest)), side="right")

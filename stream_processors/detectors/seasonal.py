@@ -13,6 +13,8 @@ predict it worse than its recent median, so it gets no period.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 #: Autocorrelation of the differences at the period needed to call it one.
@@ -45,6 +47,12 @@ def phase_helps(history: np.ndarray, period: int, window: int) -> bool:
     return float(phase.mean()) <= MIN_GAIN * float(rolling.mean())
 
 
+@lru_cache(maxsize=8)
+def _centred_steps(n: int) -> np.ndarray:
+    t = np.arange(n, dtype=np.float64)
+    return t - t.mean()
+
+
 def detect_period(history: np.ndarray, window: int, max_period: int) -> int:
     """The series' period in points, or 0 when it has none worth using."""
     y = np.asarray(history, dtype=np.float64)
@@ -52,8 +60,10 @@ def detect_period(history: np.ndarray, window: int, max_period: int) -> int:
     longest = min(max_period, (n - window) // 3)
     if longest < 2 or not np.isfinite(y).all():
         return 0
-    t = np.arange(n)
-    x = y - np.polyval(np.polyfit(t, y, 1), t)
+    # The least-squares line in closed form (``np.polyfit(t, y, 1)`` costs ten times as much).
+    t = _centred_steps(n)
+    x = y - y.mean()
+    x -= (t @ x) / (t @ t) * t
     if not np.any(x):
         return 0
     size = 1 << (2 * n - 1).bit_length()
