@@ -78,8 +78,9 @@ class Plan:
             time.sleep(self.slow_s)
 
 
-# Without a publisher, the trainer's rankwatch makes its own from the environment (RANKWATCH_RUN,
-# RANKWATCH_BOOTSTRAP), as a user's would.
+# Each trainer: one rank's whole training under ``plan``. Without a publisher, the trainer's rankwatch
+# makes its own from the environment (RANKWATCH_RUN, RANKWATCH_BOOTSTRAP), as a user's would.
+
 
 def _lightning(rank: int, publisher: Any, plan: Plan) -> None:
     import lightning.pytorch as L
@@ -193,7 +194,7 @@ def run_ranks(trainer: str, plan: Plan, *, env: dict[str, str] | None = None,
     for p in procs:
         p.start()
     try:
-        # Mostly imports (torch, the trainer) and ~5 s of steps; a loaded CI machine is much slower.
+        # Mostly imports (torch, the trainer), then a few seconds of steps; a loaded CI machine is much slower.
         got = {rank: (points, error) for rank, points, error in (results.get(timeout=240) for _ in procs)}
         for p in procs:
             p.join(30)
