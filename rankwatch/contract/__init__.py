@@ -5,6 +5,11 @@ JSON has no NaN or infinity, and a NaN is exactly what an alert must be able to 
 floats travel as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (the names JavaScript and
 Python's ``float()`` both read back). Any Kafka client can decode every rankwatch event.
 
+Telemetry also has a binary columnar form (schema 2, ``rankwatch.contract.binary``): the byte 0xC1,
+which no JSON text starts with, then a msgpack map whose points are raw little-endian int64/float64
+arrays. ``RankPublisher`` writes it by default; ``TelemetryBatch.from_bytes`` reads either form, and
+``decode_any`` shows a binary message as its JSON form.
+
 A message (key plus value) is at most ``MAX_MESSAGE_BYTES``: publishers refuse a larger one with
 ``MessageTooLarge``, and workers dead-letter one without decoding it. Integers are int64.
 

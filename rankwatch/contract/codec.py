@@ -1,4 +1,4 @@
-"""Strict-JSON encoding helpers shared by every event type."""
+"""Strict-JSON encoding helpers shared by every event type (telemetry's binary form: ``binary.py``)."""
 
 from __future__ import annotations
 
@@ -142,8 +142,13 @@ def _bare_constant(name: str) -> Any:
 
 
 def decode_any(data: bytes) -> dict[str, Any]:
-    """Any rankwatch event as a plain dict (for display tools); raises SchemaError unless a UTF-8 JSON object."""
+    """Any rankwatch event as a plain dict (for display tools); raises SchemaError unless a UTF-8 JSON object
+    or binary telemetry, which comes back as its JSON form (``TelemetryBatch.to_dict``)."""
     check_size(len(data))  # before decoding: the cost of a decode grows with the message
+    if data[:1] == b"\xc1":  # contract.binary.MAGIC (that module imports this one)
+        from rankwatch.contract.telemetry import TelemetryBatch
+
+        return TelemetryBatch.from_bytes(data).to_dict()
     try:
         text = data.decode("utf-8")  # json.loads(bytes) would also guess UTF-16/32
         obj = json.loads(text, parse_constant=_bare_constant)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rankwatch.contract.binary import is_binary, pack_telemetry, unpack_telemetry
 from rankwatch.contract.codec import (
     SCHEMA_VERSION,
     decode_float,
@@ -97,24 +98,36 @@ class TelemetryBatch:
     def key(self) -> bytes:
         return telemetry_key(self.run, self.rank)
 
-    def to_bytes(self) -> bytes:
-        return dumps(
-            {
-                "schema": SCHEMA_VERSION,
-                "kind": self.KIND,
-                "run": self.run,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "producer": self.producer,
-                "seq": self.seq,
-                "final": self.final,
-                "ts": self.ts,
-                "series": encode_series(self.series),
-            }
-        )
+    def to_dict(self) -> dict:
+        """The JSON form as a plain dict (non-finite values as their names): what display tools show."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "kind": self.KIND,
+            "run": self.run,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "producer": self.producer,
+            "seq": self.seq,
+            "final": self.final,
+            "ts": self.ts,
+            "series": encode_series(self.series),
+        }
+
+    def to_bytes(self, *, binary: bool = False) -> bytes:
+        """The JSON form (schema 1), or with ``binary`` the columnar one (schema 2, ``contract.binary``)."""
+        if binary:
+            header = {"run": self.run, "rank": self.rank, "world_size": self.world_size, "producer": self.producer,
+                      "seq": self.seq, "final": self.final, "ts": self.ts}
+            return pack_telemetry(header, {n: (s.steps, s.values) for n, s in self.series.items()})
+        return dumps(self.to_dict())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TelemetryBatch:
+        """Either form, told apart by the first byte; SchemaError for anything that is neither."""
+        if is_binary(data):
+            fields = unpack_telemetry(data)
+            fields["series"] = {n: Series(steps=st, values=v) for n, (st, v) in fields["series"].items()}
+            return cls(**fields)
         obj = loads(data, cls.KIND)
         rank = field_of(obj, "rank", int)
         world_size = field_of(obj, "world_size", int)
