@@ -1,4 +1,5 @@
-"""Property-based fuzzing of every decoder in the contract: bytes in, an event or SchemaError out.
+"""Property-based fuzzing of every decoder in the contract: bytes in, an event or SchemaError out,
+for JSON and for telemetry's binary form.
 
 A decoder that raises anything else stops the stream that calls it (issue 15: a RecursionError, an
 OverflowError). What decodes must also be usable: it re-encodes, and its key encodes.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,6 +30,7 @@ from rankwatch.contract import (
     Series,
     TelemetryBatch,
 )
+from rankwatch.contract.binary import MAGIC
 
 # No example database: the checkout stays clean, and every run draws afresh.
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -179,3 +182,81 @@ def test_a_message_over_the_limit_is_refused_before_decoding(name):
     too_big = b'{"pad":"' + b"x" * contract.MAX_MESSAGE_BYTES + b'"}'
     with pytest.raises(contract.MessageTooLarge, match="over the limit"):
         DECODERS[name](too_big)
+
+
+# --- telemetry's binary form (schema 2): the same promise for bytes that start with its magic byte ---------
+
+BINARY_DECODERS = {name: DECODERS[name] for name in ("TelemetryBatch", "decode_any", "decode_run_event", "Alert")}
+BYTES = st.one_of(st.binary(max_size=40), st.sampled_from([b"", b"\x00" * 7, b"\x00" * 8, b"\xff" * 16]))
+BINARY_TREES = st.recursive(SCALARS | BYTES, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(KEYS, kids, max_size=4),
+                            max_leaves=12)
+
+
+def _packed(obj) -> bytes | None:
+    """MAGIC plus msgpack of ``obj``; lone surrogates go through as bytes (a reader must refuse them).
+    None for an int over 64 bits: msgpack cannot say it, so no writer can send it."""
+    try:
+        return MAGIC + msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
+    except (OverflowError, ValueError):
+        return None
+
+
+def _binary_fields() -> dict:
+    return msgpack.unpackb(SAMPLES[TelemetryBatch].to_bytes(binary=True)[1:])
+
+
+def _holds_binary(data: bytes | None) -> None:
+    """``_holds`` for every decoder, and a binary telemetry batch that decodes re-encodes to the same batch."""
+    if data is None:
+        return
+    for decode in BINARY_DECODERS.values():
+        _holds(decode, data)
+    try:
+        batch = TelemetryBatch.from_bytes(data)
+    except SchemaError:
+        return
+    again = TelemetryBatch.from_bytes(batch.to_bytes(binary=True))
+    assert again.to_bytes(binary=True) == batch.to_bytes(binary=True)
+
+
+@FUZZ
+@given(data=st.binary(max_size=200))
+def test_any_bytes_after_the_magic_byte_decode_or_raise_schema_error(data):
+    _holds_binary(MAGIC + data)
+
+
+@FUZZ
+@given(tree=BINARY_TREES)
+def test_any_msgpack_tree_after_the_magic_byte_decodes_or_raises_schema_error(tree):
+    _holds_binary(_packed(tree))
+
+
+@FUZZ
+@given(changes=st.dictionaries(st.text(max_size=8), BINARY_TREES, max_size=2), picks=st.data())
+def test_a_valid_binary_batch_with_fields_changed_decodes_or_raises_schema_error(changes, picks):
+    obj = _binary_fields()
+    for _ in range(picks.draw(st.integers(1, 3))):
+        obj[picks.draw(st.sampled_from(sorted(obj)))] = picks.draw(BINARY_TREES)
+    obj.update({k: v for k, v in changes.items() if k not in ("schema", "kind")})
+    _holds_binary(_packed(obj))
+
+
+@FUZZ
+@given(names=st.lists(st.one_of(st.text(max_size=4), SCALARS), max_size=4),
+       counts=st.lists(st.one_of(st.integers(-2, 6), SCALARS), max_size=4), steps=BYTES, values=BYTES)
+def test_any_binary_columns_decode_or_raise_schema_error(names, counts, steps, values):
+    _holds_binary(_packed({**_binary_fields(), "names": names, "counts": counts, "steps": steps, "values": values}))
+
+
+def test_every_binary_field_with_each_nasty_value():
+    for name in _binary_fields():
+        for nasty in [*NASTY, b"", b"\x00" * 8, msgpack.ExtType(1, b"x"), msgpack.Timestamp(0, 1), {"a": [1]}]:
+            _holds_binary(_packed({**_binary_fields(), name: nasty}))
+        _holds_binary(_packed({k: v for k, v in _binary_fields().items() if k != name}))  # and without it
+
+
+def test_every_cut_of_a_binary_batch_raises_schema_error():
+    data = SAMPLES[TelemetryBatch].to_bytes(binary=True)
+    for n in range(len(data)):
+        with pytest.raises(SchemaError):
+            TelemetryBatch.from_bytes(data[:n])
