@@ -11,6 +11,10 @@ slow costs the training thread nothing: messages wait in the spool (up to ``max_
 the queue bound holds, and whatever is dropped is counted in ``stats()`` and logged, never silent
 and never raised.
 
+Telemetry is written in the contract's binary columnar form (schema 2, ``rankwatch.contract.binary``),
+about 40 times cheaper to encode than JSON; ``telemetry_format="json"`` (``RANKWATCH_TELEMETRY_FORMAT=json``)
+keeps the JSON form for readers that know only JSON. Workers read both; other events are always JSON.
+
 The sender thread also publishes a heartbeat every ``heartbeat_s``: a telemetry batch whose series
 ``heartbeat_age_s`` is the time since the last ``log()`` (its step: the last logged step), with the
 samplers' readings (RSS, CPU, GPU memory) at the same step. A rank whose training thread hangs
@@ -42,8 +46,8 @@ from rankwatch.producers.shipper import ShipperProcess
 from rankwatch.producers.spool import SpoolWriter, default_root
 from rankwatch.producers.system import ProcessSampler, Sampler
 from rankwatch.producers.values import Chunk
-from rankwatch.contract import HEARTBEAT, MessageTooLarge, check_size
-from rankwatch.settings import DEFAULT_BOOTSTRAP, Settings
+from rankwatch.contract import HEARTBEAT, MessageTooLarge, TelemetryBatch, check_size
+from rankwatch.settings import DEFAULT_BOOTSTRAP, TELEMETRY_FORMATS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +106,7 @@ class RankPublisher:
         spool_dir: str | os.PathLike | None = None,
         max_spool_bytes: int = 1 << 30,
         drain_s: float = 60.0,
+        telemetry_format: str = "binary",
     ):
         default_rank, default_world, default_local = rank_identity(os.environ)
         self.run = run
@@ -112,6 +117,10 @@ class RankPublisher:
             raise ValueError(f"need a run name and 0 <= rank < world_size, got {run!r}, {self.rank}, {self.world_size}")
         if max_queue < 1 or max_batch < 1 or linger_s <= 0 or heartbeat_s <= 0:
             raise ValueError("need max_queue >= 1, max_batch >= 1, linger_s > 0 and heartbeat_s > 0")
+        if telemetry_format not in TELEMETRY_FORMATS:
+            raise ValueError(f"telemetry_format must be one of {TELEMETRY_FORMATS}, got {telemetry_format!r}")
+        self.telemetry_format = telemetry_format
+        self._binary = telemetry_format == "binary"
         self.bootstrap = bootstrap
         self.max_queue, self.linger_s, self.max_batch, self.heartbeat_s = max_queue, linger_s, max_batch, heartbeat_s
         self.max_spool_bytes = max_spool_bytes
@@ -150,13 +159,15 @@ class RankPublisher:
 
         The run id is ``RANKWATCH_RUN``, else torchrun's ``TORCHELASTIC_RUN_ID``; the bootstrap comes
         from ``RANKWATCH_BOOTSTRAP``; rank, world size and local rank from torch.distributed or
-        ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``. Keyword arguments win over all of them.
+        ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; the telemetry format from ``RANKWATCH_TELEMETRY_FORMAT``.
+        Keyword arguments win over all of them.
         """
         env = os.environ if env is None else env
         elastic = env.get("TORCHELASTIC_RUN_ID", "")
         run = env.get("RANKWATCH_RUN") or (elastic if elastic != "none" else "")  # torchrun's placeholder
         settings = Settings.from_env(env)
-        kwargs: dict[str, Any] = {"run": run, "bootstrap": settings.bootstrap, "spool_dir": settings.spool_dir}
+        kwargs: dict[str, Any] = {"run": run, "bootstrap": settings.bootstrap, "spool_dir": settings.spool_dir,
+                                  "telemetry_format": settings.telemetry_format}
         kwargs.update(zip(("rank", "world_size", "local_rank"), rank_identity(env)))
         kwargs.update(overrides)
         # SASL/TLS from the settings go to the shipper; a given producer_config adds to them.
@@ -391,7 +402,7 @@ class RankPublisher:
             self._failed += 1
 
     def _send(self, event: Any) -> None:
-        value = event.to_bytes()
+        value = event.to_bytes(binary=True) if self._binary and isinstance(event, TelemetryBatch) else event.to_bytes()
         key = event.key if isinstance(event.key, bytes) else event.key.encode()
         # A broker refuses it for good, and the shipper sends in order: it would block all behind it.
         check_size(len(key) + len(value), f"{event.KIND} message")

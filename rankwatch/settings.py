@@ -19,6 +19,7 @@ from rankwatch.security import KafkaSecurity, read_password
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 FLAVORS = ("auto", "kafka", "tansu")
+TELEMETRY_FORMATS = ("binary", "json")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,9 @@ class Settings:
     store_url: str = ""
     #: Where publishers spool messages for their shipper process; empty means the system's temp dir.
     spool_dir: str = ""
+    #: How publishers encode telemetry: "binary" (schema 2, columnar msgpack) or "json" (schema 1, for
+    #: readers that only know JSON). Workers read both (docs/contract.md).
+    telemetry_format: str = "binary"
     #: Alert rules file (TOML); empty means the defaults shipped with rankwatch.
     rules: str = ""
     #: Seconds after an evaluation's first shard before it is reported with ``complete: false``.
@@ -83,6 +87,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.broker_flavor not in FLAVORS:
             raise ValueError(f"broker_flavor must be one of {FLAVORS}, got {self.broker_flavor!r}")
+        if self.telemetry_format not in TELEMETRY_FORMATS:
+            raise ValueError(f"telemetry_format must be one of {TELEMETRY_FORMATS}, got {self.telemetry_format!r}")
         if self.partitions < 1 or self.rollup_steps < 1 or self.replication_factor < 1:
             raise ValueError("partitions, replication_factor and rollup_steps must be >= 1")
         if self.session_timeout_s < 0:

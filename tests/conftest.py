@@ -5,7 +5,6 @@ $RANKWATCH_REQUIRE_ALL is set, as CI does)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -19,6 +18,7 @@ import pytest
 import torch
 from kafka import KafkaConsumer, TopicPartition
 
+from rankwatch.contract import decode_any
 from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 
@@ -136,8 +136,8 @@ def consume_json(
         while time.monotonic() < deadline and not done():
             for records in consumer.poll(timeout_ms=200).values():
                 for record in records:
-                    try:
-                        obj = json.loads(record.value)
+                    try:  # the contract's reader: binary telemetry (what publishers write) comes back as its JSON form
+                        obj = decode_any(record.value)
                     except ValueError:
                         continue  # other tests put malformed bytes on purpose
                     if isinstance(obj, dict) and predicate(obj):
