@@ -213,3 +213,38 @@ def test_rankwatch_telemetry_format_setting():
         assert pub.telemetry_format == "json"
     finally:
         pub.close(timeout_s=5)
+
+
+@pytest.mark.broker
+def test_binary_telemetry_through_worker_tail_record_and_replay(stack, run_id, tmp_path, capsys):
+    """What a publisher writes by default is alerted on by a worker, shown by ``tail`` and recorded and
+    replayed by ``record``/``replay`` as JSON."""
+    from conftest import consume_json
+
+    from rankwatch.cli import main
+
+    with RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=stack.bootstrap, spool_dir=tmp_path / "spool",
+                       samplers=[]) as pub:
+        for step in range(5):
+            pub.log({"loss": 1.0 / (step + 1)}, step=step)
+        pub.log({"loss": math.nan}, step=5)
+    assert pub.stats().sent >= 1
+
+    def nan_alert(run: str) -> list[dict]:
+        return consume_json(stack.bootstrap, contract.ALERTS, lambda a: a["run"] == run and a["detector"] == "nonfinite")
+
+    assert nan_alert(run_id), "the worker raised no alert on binary telemetry"
+
+    capsys.readouterr()
+    assert main(["tail", contract.TELEMETRY, "--bootstrap", stack.bootstrap]) == 0
+    shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ours = [obj for obj in shown if obj.get("run") == run_id]
+    assert ours and all(obj["schema"] == 1 for obj in ours)  # each as its JSON form
+    assert "NaN" in [v for obj in ours for v in obj["series"].get("loss", {}).get("values", [])]
+
+    path = tmp_path / "run.jsonl"
+    assert main(["record", "--run", run_id, str(path), "--bootstrap", stack.bootstrap]) == 0
+    assert json.loads(path.read_text().splitlines()[0])["counts"]["telemetry"] == len(ours)
+    new = f"{run_id}-again"
+    assert main(["replay", str(path), "--run", new, "--bootstrap", stack.bootstrap]) == 0
+    assert nan_alert(new), "the replayed run raised no alert"
