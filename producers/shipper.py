@@ -6,6 +6,13 @@ appends encoded messages to a local spool (``rankwatch.producers.spool``) and th
 publisher, does the rest: it sends in order, waits for the broker's acknowledgement, records how
 far it got, and retries for as long as the broker is away. Nothing is lost while the disk lasts.
 
+In order means on the broker too. Workers drop a message whose ``seq`` is at or below one already
+applied (a replay), so a later message that lands before an earlier one silences the earlier one for
+good. A client sending several batches of one partition can let that happen: the first fails after
+its retries while the broker is away, the next goes out once it is back (seen on a 3-broker cluster
+stopped for a minute: a rank's first 200 steps were lost so). So each flush holds at most one batch
+per partition, which the broker writes whole or not at all, and the next waits for it.
+
 The publisher holds a pipe to the shipper's stdin: a byte ``w`` means "new data", ``c`` means
 "closing: ship what is there, then exit". End of file, or a new parent process (the publisher's
 process died, and with it any ``c``), means the same. After that the shipper keeps trying for
@@ -43,7 +50,9 @@ _LOCK = "lock"
 CONFIG_ENV = "RANKWATCH_PRODUCER_CONFIG"
 _IDLE_S = 1.0  # with no wake-up: how often the shipper looks for data and for its parent
 _MAX_BACKOFF_S = 5.0
-_ROUND_BYTES = 4 << 20  # sent, then awaited as one round
+_ROUND_BYTES = 4 << 20  # read from the spool at once
+_FLUSH_BYTES = 256 << 10  # sent, then awaited; one batch per partition (see ``_BATCH_BYTES``)
+_BATCH_BYTES = 2 * _FLUSH_BYTES
 _REMIND_S = 30.0  # a failure that lasts is said again after 30 s, then 60 s, 120 s… (at most hourly)
 
 
@@ -55,8 +64,10 @@ def kafka_config(bootstrap: str, connect_timeout_s: float, overrides: Mapping[st
         # Kafka's own default since 3.0: a message counts as sent once min.insync.replicas hold it, so
         # losing the partition leader loses nothing the spool already let go of. Training never waits on it.
         "acks": "all",
-        # Spooled messages are batches of many steps already; kafka-python's metrics only cost CPU.
-        "linger_ms": 0,
+        # A flush's messages wait for the flush, so they make one batch per partition (module doc).
+        "linger_ms": 60_000,
+        "batch_size": _BATCH_BYTES,
+        # kafka-python's metrics only cost CPU.
         "metrics_enabled": False,
         "max_block_ms": int(connect_timeout_s * 1000),
         "bootstrap_timeout_ms": int(connect_timeout_s * 1000),
@@ -145,7 +156,19 @@ class Shipper:
             self.wake_fd = None
 
     def _ship(self, records: Sequence[Record]) -> bool:
-        """Send one round and wait for it; True if the position moved past every record in it."""
+        """Send a round, one flush after another; True if the position moved past every record in it."""
+        for flush in _flushes(records):
+            if not self._flush(flush):
+                return False
+        self.reader.release(self.status.shipped)
+        if not self._reached:  # one line that says publishing works (stderr is the training process's)
+            self._reached = True
+            log.info("rankwatch shipper: the broker at %s took the first messages of %s",
+                     self.config["bootstrap_servers"], self.directory.name)
+        return True
+
+    def _flush(self, records: Sequence[Record]) -> bool:
+        """Send ``records`` and wait for them; True if the position moved past every one."""
         from kafka.errors import KafkaError
 
         producer = self._connect()
@@ -171,11 +194,6 @@ class Shipper:
         self.status.failed += failed
         self.status.error = ""
         write_status(self.directory, self.status)
-        self.reader.release(self.status.shipped)
-        if not self._reached:  # one line that says publishing works (stderr is the training process's)
-            self._reached = True
-            log.info("rankwatch shipper: the broker at %s took the first messages of %s",
-                     self.config["bootstrap_servers"], self.directory.name)
         return True
 
     def _failed(self, exc: BaseException | None) -> bool:
@@ -220,6 +238,20 @@ class Shipper:
         with contextlib.suppress(OSError):
             self.directory.parent.rmdir()  # the run's folder, once its last rank's spool is gone
         return True
+
+
+def _flushes(records: Sequence[Record]) -> list[Sequence[Record]]:
+    """``records`` cut into runs of at most ``_FLUSH_BYTES``, or single records larger than that, so
+    that each run fits one batch per partition."""
+    runs, start, size = [], 0, 0
+    for i, record in enumerate(records):
+        if i > start and size + len(record.value) > _FLUSH_BYTES:
+            runs.append(records[start:i])
+            start, size = i, 0
+        size += len(record.value)
+    if start < len(records):
+        runs.append(records[start:])
+    return runs
 
 
 def _discard(producer, timeout_s: float = 0.0) -> None:

@@ -17,7 +17,7 @@ import pytest
 from conftest import consume_json, process_alive
 
 from rankwatch.producers import RankPublisher
-from rankwatch.producers.spool import SpoolReader, SpoolWriter
+from rankwatch.producers.spool import Record, SpoolReader, SpoolWriter
 from rankwatch import cli, contract
 from rankwatch.broker import EmbeddedBroker, free_port
 
@@ -41,6 +41,21 @@ def test_frames_round_trip_across_segments_in_reads_of_any_size(tmp_path):
         assert [r.end for r in records] == ends
     middle = ends[29]
     assert [r.value for r in _read_all(SpoolReader(tmp_path), middle)] == [v for *_, v in sent[30:]]
+
+
+def test_a_round_is_sent_in_flushes_that_each_fit_one_batch_per_partition():
+    """Why: the broker writes a batch whole or not at all, and the next flush waits for this one, so
+    no later message of a partition can land before an earlier one (workers drop it as a replay)."""
+    from rankwatch.producers.shipper import _BATCH_BYTES, _FLUSH_BYTES, _flushes
+
+    sizes = [100, 5_000, 90_000, 200_000, 1_000_000, 3, 300_000, 70_000, 70_000, 70_000, 70_000, 1]
+    records = [Record("t", b"k", bytes(n), end) for end, n in enumerate(sizes)]
+    flushes = _flushes(records)
+    assert [r for flush in flushes for r in flush] == records  # every record once, in order
+    for flush in flushes:
+        assert len(flush) == 1 or sum(len(r.value) for r in flush) <= _FLUSH_BYTES < _BATCH_BYTES
+    assert len(flushes) < len(records)  # small records share a flush
+    assert _flushes([]) == []
 
 
 def test_release_deletes_only_segments_behind_the_position(tmp_path):
