@@ -69,13 +69,15 @@ class WatchStateError(RankwatchError, ValueError):
 class OutageClock:
     """Wall time with the broker's outages taken out: the clock stall silences are measured on.
 
-    ``away(now)`` (the worker lost the broker) stops it; after ``back(now)`` it runs again from
-    the first message heard, or ``grace_s`` after the return if none comes (ranks' shippers retry
-    with a back-off of up to 5 s, so their spooled steps arrive a few seconds after the broker
-    does). A rank that is really stuck still stalls, only later by the outage's length.
+    ``away(now)`` (the worker lost the broker) stops it; it runs again ``grace_s`` after
+    ``back(now)``. Each rank's shipper finds the returning broker on its own: retries back off up to
+    5 s, and a client that failed is replaced, so one rank's spool can arrive at once and another's
+    many seconds later (seen on a 3-broker cluster stopped for a minute). Restarting at the first
+    message heard judged the later ranks by the first one's return. A rank that is really stuck still
+    stalls, only later by the outage's length and the grace.
     """
 
-    def __init__(self, *, grace_s: float = 10.0):
+    def __init__(self, *, grace_s: float = 20.0):
         if grace_s < 0:
             raise ValueError("grace_s must be >= 0")
         self.grace_s = grace_s
@@ -91,11 +93,6 @@ class OutageClock:
     def back(self, now: float) -> None:
         if self.stopped_at is not None and self.back_at is None:
             self.back_at = now
-
-    def heard(self, now: float) -> None:
-        """A message arrived; once the broker is back, that restarts the clock."""
-        if self.back_at is not None:
-            self._restart(now)
 
     def read(self, now: float) -> float:
         if self.back_at is not None and now >= self.back_at + self.grace_s:
@@ -232,7 +229,6 @@ class RunWatcher:
     def observe(self, watch: RunWatch, progress: RankProgress, now: float) -> list[Alert]:
         """Apply one rank's progress; return the per-rank transitions it completes."""
         watch.world_size = max(watch.world_size, progress.world_size)
-        self.outages.heard(now)
         clock = self.outages.read(now)  # the worker's side of silences is measured on this one
         watch.latest_ts, watch.arrived, watch.clock = max(watch.latest_ts, progress.ts), clock, clock
         at = watch.event_now(clock)
@@ -304,8 +300,11 @@ class RunWatcher:
     def _stalls(watch: RunWatch, stall: Stall, now: float, clock: float) -> tuple[dict[int | None, Stalled], list[int], str]:
         """Stalled ranks (``None``: the run) at event time ``now``; for a whole-run stall, the ranks
         that caused it and why. ``clock``: the outage clock, for how long since a rank's step arrived."""
+        # Silent both ways: by the ranks' own stamps, and with no new step arriving for the bound (from
+        # the rank, or for the whole run from any rank: one rank's backlog arriving is no stall).
+        last_arrival = max(watch.stepped.values(), default=-math.inf)
         stalled = {s.rank: s for s in stall.check(now)
-                   if s.rank is None or clock - watch.stepped.get(s.rank, -math.inf) >= s.bound_s}
+                   if clock - (last_arrival if s.rank is None else watch.stepped.get(s.rank, -math.inf)) >= s.bound_s}
         run = stalled.pop(None, None)
         if run is None:
             return stalled, [], ""

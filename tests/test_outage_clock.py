@@ -19,20 +19,40 @@ def _paced_run(watcher: RunWatcher, watch: RunWatch, steps: range) -> list:
     return [a for s in steps for r in (0, 1) for a in watcher.observe(watch, _step(r, s), now=float(s))]
 
 
-def test_the_clock_stops_while_away_and_runs_again_at_the_first_message_back():
+def test_the_clock_stops_while_away_and_runs_again_a_grace_after_the_broker_is_back():
     clock = OutageClock(grace_s=10.0)
     assert clock.read(5.0) == 5.0
     clock.away(10.0)
     assert clock.read(40.0) == 10.0
     clock.back(40.0)
-    assert clock.read(43.0) == 10.0  # back, but no one heard yet: the ranks' shippers are retrying
-    clock.heard(43.0)
-    assert clock.read(45.0) == 12.0
-    clock.away(50.0)
-    clock.back(52.0)
-    assert clock.read(70.0) == 17.0 + 8.0  # nobody came within the grace: it runs from back + grace (62)
+    assert clock.read(43.0) == 10.0  # back, but the ranks' shippers are still finding it
+    assert clock.read(50.0) == 10.0
+    assert clock.read(55.0) == 15.0  # it runs from back + grace (50)
+    clock.away(60.0)
+    clock.away(61.0)  # still away: the first stop counts
+    clock.back(62.0)
+    assert clock.read(80.0) == 20.0 + 8.0  # stopped at 20, runs again from 72
     with pytest.raises(ValueError):
         OutageClock(grace_s=-1.0)
+
+
+def test_one_rank_s_backlog_arriving_first_after_an_outage_is_no_stall_of_the_others():
+    """Each rank's shipper finds the returning broker on its own: here rank 0's spooled steps, to the
+    run's end, arrive at once and rank 1's fifteen seconds later."""
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    assert _paced_run(watcher, watch, range(40)) == []
+    watcher.outages.away(40.5)
+    assert [a for t in range(41, 80) for a in watcher.tick(watch, float(t))] == []
+    watcher.outages.back(80.0)
+    early = [a for s in range(40, 100) for a in watcher.observe(watch, _step(0, s), now=81.0)]
+    early += watcher.observe(watch, RankProgress(run="r", rank=0, world_size=2, last_step=99, ts=99.0, series={},
+                                                 final=True), now=81.0)
+    waiting = [a for t in np.arange(81, 96, 0.5) for a in watcher.tick(watch, float(t))]
+    late = [a for s in range(40, 100) for a in watcher.observe(watch, _step(1, s), now=96.0)]
+    late += watcher.observe(watch, RankProgress(run="r", rank=1, world_size=2, last_step=99, ts=99.0, series={},
+                                                final=True), now=96.0)
+    after = [a for t in np.arange(96, 130, 0.5) for a in watcher.tick(watch, float(t))]
+    assert early + waiting + late + after == [], early + waiting + late + after
 
 
 def test_a_broker_outage_raises_no_stall_and_a_real_stall_after_it_still_fires():
