@@ -86,12 +86,7 @@ class KafkaSecurity:
 
         Plain values only (no SSL context): the publisher hands them to its shipper process as JSON.
         """
-        if self.security_protocol == "PLAINTEXT":
-            return {}
-        kwargs: dict[str, Any] = {"security_protocol": self.security_protocol}
-        if self.sasl:
-            kwargs.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.username,
-                          sasl_plain_password=self.password)
+        kwargs = self._protocol_and_sasl()
         if self.tls:
             kwargs["ssl_check_hostname"] = self.ssl_check_hostname
             kwargs.update({k: v for k, v in (("ssl_cafile", self.ssl_cafile), ("ssl_certfile", self.ssl_certfile),
@@ -100,14 +95,19 @@ class KafkaSecurity:
 
     def aiokafka(self) -> dict[str, Any]:
         """Keyword arguments for aiokafka's AIOKafkaConsumer / AIOKafkaProducer (TLS as an ``ssl_context``)."""
+        kwargs = self._protocol_and_sasl()
+        if self.tls:
+            kwargs["ssl_context"] = self.ssl_context()
+        return kwargs
+
+    def _protocol_and_sasl(self) -> dict[str, Any]:
+        """What kafka-python and aiokafka name alike: the protocol and the SASL login ({} for PLAINTEXT)."""
         if self.security_protocol == "PLAINTEXT":
             return {}
         kwargs: dict[str, Any] = {"security_protocol": self.security_protocol}
         if self.sasl:
             kwargs.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.username,
                           sasl_plain_password=self.password)
-        if self.tls:
-            kwargs["ssl_context"] = self.ssl_context()
         return kwargs
 
     def faust(self) -> dict[str, Any]:

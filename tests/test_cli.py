@@ -36,15 +36,20 @@ def test_help_explains_every_command_and_the_memory_only_broker():
     assert "IN MEMORY ONLY" in out and "RANKWATCH_BOOTSTRAP" in out
 
 
-@pytest.mark.broker
-@pytest.mark.both_brokers
-def test_alerts_and_tail_print_what_is_on_the_topics(bootstrap, run_id):
-    batch = TelemetryBatch(run=run_id, rank=0, world_size=1, producer="p", seq=0, ts=time.time(),
+def _send_nan_loss(bootstrap: str, run: str) -> None:
+    """One rank-0 telemetry message, straight to the broker: loss 1.0 at step 0, NaN at step 1."""
+    batch = TelemetryBatch(run=run, rank=0, world_size=1, producer="p", seq=0, ts=time.time(),
                            series={"loss": Series(np.array([0, 1]), np.array([1.0, float("nan")]))})
     producer = KafkaProducer(bootstrap_servers=bootstrap)
     producer.send(contract.TELEMETRY, batch.to_bytes(), key=batch.key)
     producer.flush()
     producer.close()
+
+
+@pytest.mark.broker
+@pytest.mark.both_brokers
+def test_alerts_and_tail_print_what_is_on_the_topics(bootstrap, run_id):
+    _send_nan_loss(bootstrap, run_id)
     assert consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id), "nothing arrived"
 
     shown = _cli("alerts", "--bootstrap", bootstrap, "--run", run_id, "--json")
@@ -76,12 +81,7 @@ def _api_answers(base: str, bootstrap: str, run: str) -> None:
     assert (status, ctype) == (200, "application/json") and "/runs/{run}/rollups" in json.loads(body)["paths"]
     status, ctype, body = _get(f"{base}metrics")
     assert status == 200 and ctype.startswith("text/plain") and b"# TYPE rankwatch_alert_firing gauge" in body
-    batch = TelemetryBatch(run=run, rank=0, world_size=1, producer="p", seq=0, ts=time.time(),
-                           series={"loss": Series(np.array([0, 1]), np.array([1.0, float("nan")]))})
-    producer = KafkaProducer(bootstrap_servers=bootstrap)
-    producer.send(contract.TELEMETRY, batch.to_bytes(), key=batch.key)
-    producer.flush()
-    producer.close()
+    _send_nan_loss(bootstrap, run)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and f'run="{run}"'.encode() not in (metrics := _get(f"{base}metrics")[2]):
         time.sleep(0.5)
