@@ -97,9 +97,19 @@ FAULTS = {
 
 def inject(x: np.ndarray, fault: str, at: int, rng) -> int:
     """Apply ``fault`` from row ``at``; return how many rows the fault itself lasts (0: to the end)."""
-    scale = np.median(np.abs(np.diff(x))) / 0.954 + 1e-9 * abs(np.median(x))  # noise sigma, from differences
+    steps = np.abs(np.diff(x))
+    scale = np.median(steps) / 0.954 + 1e-9 * abs(np.median(x))  # noise sigma, from differences
+    # A quantised reading that mostly holds still has a median step of 0: its faults were sized
+    # 1e-6 (invisible, yet labelled). Size them in its resolution instead, and keep it quantised.
+    quantum = float(steps[steps > 0].min()) if np.median(steps) == 0 and (steps > 0).any() else 0.0
+    if quantum:
+        return _inject(x, fault, at, rng, quantum, lambda v: np.round(v / quantum) * quantum)
+    return _inject(x, fault, at, rng, scale, lambda v: v)
+
+
+def _inject(x: np.ndarray, fault: str, at: int, rng, scale: float, snap) -> int:
     if fault == "spike":
-        x[at] += rng.choice([-1, 1]) * rng.uniform(12, 30) * scale if x.min() < 0 else rng.uniform(12, 30) * scale
+        x[at] += snap(rng.choice([-1, 1]) * rng.uniform(12, 30) * scale if x.min() < 0 else rng.uniform(12, 30) * scale)
         return 1
     if fault == "stall_spike":
         x[at] *= 60.0
@@ -108,13 +118,13 @@ def inject(x: np.ndarray, fault: str, at: int, rng) -> int:
         x[at:] *= 10 ** rng.uniform(2, 4)
         return 0
     if fault == "shift_up":
-        x[at:] += rng.uniform(6, 12) * scale
+        x[at:] += snap(rng.uniform(6, 12) * scale)
         return 0
     if fault == "straggler":
         x[at : at + 150] *= 1.4
         return 150
     if fault == "dip":
-        x[at : at + 20] -= rng.uniform(8, 15) * scale
+        x[at : at + 20] -= snap(rng.uniform(8, 15) * scale)
         return 20
     if fault == "burst":
         x[at : at + 10] += rng.uniform(25, 40)
