@@ -67,3 +67,19 @@ def test_tail_model_matches_known_distributions():
         for level in (0.9, 0.99):
             assert abs((scores >= level).mean() - (1 - level)) < 0.35 * (1 - level)
         assert model.quantile(0.01) > model.quantile(0.1) > 0
+
+
+@pytest.mark.parametrize("name", ["spike", "ewma", "ensemble"])
+def test_a_quantised_gauge_flickering_by_one_unit_is_quiet_and_a_jump_of_several_is_not(name):
+    # A reading to 0.1 that holds still with a rare one-unit flicker has a MAD of 0; the flickers
+    # used to score as thousand-sigma spikes (issue 18: ~30 false positives per gauge series).
+    rng = np.random.default_rng(3)
+    x = np.round(75.0 + np.cumsum(rng.normal(0, 0.002, 3000)), 1)
+    assert 5 < np.count_nonzero(np.diff(x)) < 200  # it does flicker, by single units
+    first = int(np.flatnonzero(np.diff(x))[0]) + 1
+    d = build(name)
+    # The first step of a series that held still is news (its resolution is not known yet); the
+    # flickers after it are not.
+    assert np.flatnonzero(d.decide(d.update(x))).tolist() == [first]
+    # Fifteen units at once (the corpus's gauge spikes are 12-30) is a real change, reported at once.
+    assert d.decide(d.update(np.array([x[-1] + 1.5])))[0]

@@ -70,6 +70,9 @@ class Blowup(RobustSpike):
     def _floor(self, median: np.ndarray) -> np.ndarray:
         return np.full(len(median), self._min_log_scale)
 
+    def _resolution_floor(self, series: np.ndarray, first: int) -> float:
+        return 0.0  # the log-scale floor above is far coarser than any reading's resolution
+
     def _adjust(self, z: np.ndarray, points: np.ndarray, center: np.ndarray) -> np.ndarray:
         # Below min_factor times the median a point counts as a 3.5-sigma one at most: rarer than one
         # in a thousand under the prior, yet under the default threshold (see the docstring).

@@ -35,7 +35,9 @@ class EwmaResidual(Detector):
     state) and tracks a drifting series more closely; ``spike`` is more robust on heavy tails.
     ``direction`` is "both", "up" or "down". After ``rebase`` consecutive points more than 4
     sigmas off on one side the level has changed, and the detector re-warms from there (a shift is
-    one incident, not ``2/alpha`` flagged points). Non-finite points score 0 and are not learned.
+    one incident, not ``2/alpha`` flagged points). The sigma is floored at half the smallest step
+    between two points seen (the reading's resolution), so a quantised gauge that flickers by one
+    unit is not anomalous. Non-finite points score 0 and are not learned.
 
     Suits loss, grad norm, throughput, step time ("up").
 
@@ -67,6 +69,8 @@ class EwmaResidual(Detector):
         dev: float = 0.0,
         calib: Sequence[Any] = (),
         run: int = 0,
+        last: float | None = None,
+        step: float = 0.0,
     ):
         if not 0 < alpha < 1 or warmup < 2:
             raise ValueError("need 0 < alpha < 1 and warmup >= 2")
@@ -79,11 +83,14 @@ class EwmaResidual(Detector):
             raise ValueError("need rebase >= 0 (0: never)")
         self.rebase, self.run = rebase, int(run)
         self.count, self.mean, self.dev = int(count), float(mean), float(dev)
+        # The last finite point and the smallest non-zero step seen: the reading's resolution
+        # (``scoring.resolution``), so a quantised gauge flickering by one unit is not anomalous.
+        self.last, self.step = (None if last is None else float(last)), float(step)
         counts, pending = calib if calib else (prior_counts(half_normal_sf, 50.0), [])
         self.calib = TailModel(counts, pending, memory=memory)
 
     def _sigma(self) -> float:
-        return max(self.dev * _MEAN_ABS_TO_SIGMA, self.min_scale, self.min_scale * abs(self.mean))
+        return max(self.dev * _MEAN_ABS_TO_SIGMA, self.min_scale, self.min_scale * abs(self.mean), 0.5 * self.step)
 
     def score(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
@@ -98,6 +105,7 @@ class EwmaResidual(Detector):
         """Learn one finite point; return its score (0 during warm-up)."""
         magnitude = None
         residual = x - self.mean if self.count else 0.0
+        moved = abs(x - self.last) if self.last is not None else 0.0
         if self.count >= self.warmup:
             sigma = self._sigma()
             z = standardise_one(x, self.mean, sigma)
@@ -112,6 +120,9 @@ class EwmaResidual(Detector):
             self.count, self.dev, self.run = 0, 0.0, 0
         if not math.isfinite(residual):
             return score  # |x| near the float limit: learning it would poison the state with inf
+        if 0.0 < moved < math.inf and (not self.step or moved < self.step):
+            self.step = moved
+        self.last = x
         weight = max(self.alpha, 1.0 / (self.count + 1))
         self.mean = x if not self.count else self.mean + weight * residual
         # The first point has no residual: averaging a 0 in would understate the deviation.
@@ -142,4 +153,6 @@ class EwmaResidual(Detector):
             "rebase": self.rebase,
             "calib": self.calib.state(),
             "run": self.run,
+            "last": self.last,
+            "step": self.step,
         }

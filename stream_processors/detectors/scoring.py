@@ -117,6 +117,24 @@ def tail_sigma(rows: np.ndarray, median: np.ndarray, quantile: float, direction:
     return np.maximum(upper, lower)
 
 
+def resolution(series: np.ndarray, first: int, span: int) -> np.ndarray:
+    """For each index ``i >= first``: the reading's resolution over ``series[i - span : i]``, the
+    smallest non-zero step between consecutive values there (0: none).
+
+    A quantised gauge (a temperature to 0.1, a counter) that mostly holds still has a MAD of 0, so
+    every step of one unit looked like a thousand-sigma spike; a unit is as fine as such a reading
+    can tell two values apart. On a continuous series the smallest step is tiny and changes nothing.
+    """
+    steps = np.abs(np.diff(series))
+    steps[~(steps > 0)] = np.inf  # NaN steps too
+    # Step k joins points k and k + 1; point i sees steps i - span .. i - 2 (inf-padded in front).
+    padded = np.r_[np.full(span, np.inf), steps[: len(series) - 2]] if len(series) >= 2 else np.full(span, np.inf)
+    width = max(span - 1, 1)
+    rows = np.lib.stride_tricks.sliding_window_view(padded, width)[first : len(series)]
+    low = rows.min(axis=1) if len(rows) else np.zeros(0)
+    return np.where(np.isfinite(low), low, 0.0)
+
+
 def trailing_windows(history: np.ndarray, window: int, first: int) -> list[np.ndarray]:
     """For each index ``i >= first`` of ``history``, the (up to) ``window`` values before it, as
     groups of equal-length rows: one 2-D array for the full windows, one row each for shorter ones."""

@@ -14,6 +14,7 @@ from rankwatch.stream_processors.detectors.scoring import (
     check_direction,
     directed,
     median_rows,
+    resolution,
     standardise,
     tail_sigma,
     trailing_windows,
@@ -59,7 +60,8 @@ class RobustSpike(Detector):
     the change scores ``1 - P(|z| >= 4) ** rebase``: a shift of 4 to 8 sigmas that no single
     point makes rare enough is reported there, ``rebase - 1`` points after it began. ``min_scale`` floors the
     unit (absolutely and relative to the median), so a perfectly flat series scores 0 and its
-    first real wiggle is reported once. Non-finite points score 0 here (``NonFinite`` owns them)
+    first real wiggle is reported once; so does half the reading's resolution (the smallest step
+    between two values seen), so a quantised gauge that flickers by one unit is not spiking. Non-finite points score 0 here (``NonFinite`` owns them)
     and are not learned.
 
     Suits any noisy metric with occasional outliers: loss, grad norm, step time, throughput.
@@ -156,7 +158,14 @@ class RobustSpike(Detector):
                 scales.append(unit)
             center, scale = np.concatenate(centers), np.concatenate(scales)
         points = series[first:]
+        scale = np.maximum(scale, self._resolution_floor(series, first))
         return self._adjust(standardise(points, center, scale), points, center)
+
+    def _resolution_floor(self, series: np.ndarray, first: int) -> np.ndarray:
+        """For each point from ``first``: half the reading's resolution (``scoring.resolution``) over
+        the ``span`` points before it (what the history holds when points come one at a time), so a
+        one-unit step of a quantised gauge is no spike."""
+        return 0.5 * resolution(series, first, self.span)
 
     def score(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
