@@ -83,3 +83,17 @@ def test_a_quantised_gauge_flickering_by_one_unit_is_quiet_and_a_jump_of_several
     assert np.flatnonzero(d.decide(d.update(x))).tolist() == [first]
     # Fifteen units at once (the corpus's gauge spikes are 12-30) is a real change, reported at once.
     assert d.decide(d.update(np.array([x[-1] + 1.5])))[0]
+
+
+def test_an_event_that_recurs_at_a_fixed_spacing_is_reported_twice_then_learned():
+    # A checkpoint every 450 steps is longer than any period spike looks for (300): its first two
+    # alarms stand, the third at the same spacing is the same event again (issue 18).
+    rng = np.random.default_rng(4)
+    x = 0.1 * np.exp(rng.normal(0, 0.05, 3000))
+    x[np.arange(3000) % 450 == 449] *= 12.0
+    d = build("spike")
+    flagged = np.flatnonzero(d.decide(d.update(x)))
+    assert flagged.tolist() == [449, 899]
+    # A fault off that rhythm is still news.
+    assert d.decide(d.update(np.r_[x[:100], 1.2]))[-1]
+

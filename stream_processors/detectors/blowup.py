@@ -54,12 +54,14 @@ class Blowup(RobustSpike):
         run: int = 0,
         period: int = 0,
         seen: int = 0,
+        marks: Sequence[int] = (),
     ):
         if min_factor <= 1 or floor <= 0:
             raise ValueError("need min_factor > 1 and floor > 0")
         super().__init__(
             window=window, warmup=warmup, threshold=threshold, direction="up", tail=tail, memory=memory,
             rebase=rebase, max_period=max_period, history=history, calib=calib, run=run, period=period, seen=seen,
+            marks=marks,
         )
         self.min_factor, self.floor = min_factor, floor
         self._min_log_scale = math.log(min_factor) / 8.0  # a min_factor jump is z = 8 at least
@@ -95,4 +97,5 @@ class Blowup(RobustSpike):
             "run": self.run,
             "period": self.period,
             "seen": self.seen,
+            "marks": list(self.marks),
         }

@@ -27,6 +27,8 @@ PRIOR_WEIGHT = 50.0
 SHIFT_Z = 4.0
 #: Learned points between two looks for a period.
 PERIOD_EVERY = 64
+#: Past flagged positions kept: the third alarm at the same spacing is a recurrence, not a fault.
+MARKS = 3
 
 
 class RobustSpike(Detector):
@@ -51,7 +53,10 @@ class RobustSpike(Detector):
     points in its history (``seasonal.detect_period``: autocorrelation of the differences, kept
     only if it predicts better than the rolling median). With one, a point is judged against its
     phase one, two and three periods back, so an evaluation pause every 50 steps, a checkpoint
-    sawtooth or a daily cycle is expected, and a fault inside that rhythm still stands out.
+    sawtooth or a daily cycle is expected, and a fault inside that rhythm still stands out. An
+    alarm that recurs at the spacing of the two before it (a checkpoint every 500 steps, longer
+    than any period looked for, or a second rhythm beside the first) is held under the threshold
+    from its third occurrence.
 
     After ``rebase`` consecutive points more than 4 sigmas off on the same side, the level has
     changed: the history is moved to the new level (by the gap between the medians before and
@@ -95,6 +100,7 @@ class RobustSpike(Detector):
         run: int = 0,
         period: int = 0,
         seen: int = 0,
+        marks: Sequence[int] = (),
     ):
         if window < 3 or not 2 <= warmup <= window:
             raise ValueError("need window >= 3 and 2 <= warmup <= window")
@@ -110,6 +116,7 @@ class RobustSpike(Detector):
         self.run = int(run)  # signed count of consecutive far points on one side
         self.period = int(period)  # the detected period in points (0: none)
         self.seen = int(seen)  # finite points learned: the period is checked every PERIOD_EVERY
+        self.marks = [int(m) for m in marks][-MARKS:]  # positions (in ``seen``) of the last alarms
         counts, pending = calib if calib else (prior_counts(half_normal_sf, PRIOR_WEIGHT), [])
         self.calib = TailModel(counts, pending, memory=memory)
 
@@ -206,6 +213,26 @@ class RobustSpike(Detector):
                 return i
         return None
 
+    def _recurrences(self, s: np.ndarray, first: int) -> None:
+        """Hold under the threshold an alarm that recurs at a fixed spacing (in place; ``s[i]`` is the
+        point at position ``first + i``).
+
+        A checkpoint every 500 steps, an evaluation pass every 80 or a sawtooth's reset is structure
+        that the one-period phase model may not hold (a second period, or one longer than
+        ``max_period``): when the two alarms before this one are as far apart as this one is from
+        the last (within 5%), and more than ``rebase`` points, it is the same event again. A fault
+        is rarely so punctual, and its first two occurrences are reported.
+        """
+        for i in np.flatnonzero(s >= self.threshold).tolist():
+            pos = first + i
+            if len(self.marks) >= 2:
+                gap, before = pos - self.marks[-1], self.marks[-1] - self.marks[-2]
+                # Alarms closer than ``rebase`` points are one lasting deviation (a level change's
+                # business), not an event that recurs.
+                if before > max(self.rebase, 2) and abs(gap - before) <= max(1.0, 0.05 * before):
+                    s[i] = min(s[i], 1.0 - 2.0 * (1.0 - self.threshold))
+            self.marks = (self.marks + [pos])[-MARKS:]
+
     def update(self, values: np.ndarray) -> np.ndarray:
         # Within a stretch (no level change, no period check) every point's z is known up front,
         # since the history grows by the finite points whatever their scores: one numpy pass per
@@ -238,6 +265,7 @@ class RobustSpike(Detector):
                 # 4-sigma one, is far rarer than the threshold on clean data.
                 s[-1] = max(s[-1], 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
                 rebased = upto - 1
+            self._recurrences(s, self.seen + warm)
             scores[finite[done + warm : done + upto]] = s
             if rebased is None:
                 self.history = series[-self.span :].tolist()
@@ -281,4 +309,5 @@ class RobustSpike(Detector):
             "run": self.run,
             "period": self.period,
             "seen": self.seen,
+            "marks": list(self.marks),
         }
