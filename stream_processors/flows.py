@@ -15,6 +15,7 @@ from rankwatch.stream_processors.grouping import Grouper, RunGroups
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher, WatchStateError, tick_mark
+from rankwatch.stream_processors.tables import is_part
 from rankwatch.stream_processors.topics import dead_letterer, decoded, encoded, raw_topic, send_all
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,8 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
         owned = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == contract.RUN_EVENTS}
         now = time.time()
         for key in list(run_watch.keys()):
+            if is_part(key):
+                continue  # a piece of a large watch, recovered from the changelog: read with its run
             raw = run_watch.get(key)
             partition = raw.partition if isinstance(raw, RunWatch) else (raw or {}).get("partition")
             if partition not in owned:

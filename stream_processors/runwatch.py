@@ -43,7 +43,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, RankProgress
-from rankwatch.contract.codec import encode_float
 from rankwatch.errors import RankwatchError
 from rankwatch.stream_processors.detectors import CrossRank, Stall
 from rankwatch.stream_processors.detectors.stall import Stalled
@@ -59,7 +58,7 @@ MIN_BLOCKED_S = 1.0
 # sending: with the default 5 s heartbeats and a bound of at least 10 s, a live rank never gets there.
 SILENT_FRACTION = 0.75
 #: Version of ``RunWatch.to_dict``; a worker reads only this one (see ``WatchStateError``).
-WATCH_VERSION = 1
+WATCH_VERSION = 2
 
 
 class WatchStateError(RankwatchError, ValueError):
@@ -106,7 +105,13 @@ class OutageClock:
 
 @dataclass
 class _Track:
-    """One cross-rank metric of one run."""
+    """One cross-rank metric of one run.
+
+    Rows still waiting for ranks are not stored: they hold up to ``row_wait_s`` of steps of every
+    rank, which at thousands of ranks is most of the watch, rewritten at every batch. A worker that takes the run over
+    scores those steps with the ranks it hears from then on (a rank already applied counts as
+    missing, which ``crossrank`` skips); learned baselines, conditions and cursors carry over.
+    """
 
     rule: Rule
     detector: CrossRank
@@ -114,24 +119,23 @@ class _Track:
     opened: dict[int, float] = field(default_factory=dict)  # step -> wall time of its first value
     conditions: dict[int, Condition] = field(default_factory=dict)
     applied: dict[int, int] = field(default_factory=dict)  # rank -> last step put in a row (replays skip)
+    scored: int = -1  # rows are scored in step order; a value for a step up to this one comes too late
 
     def to_dict(self) -> dict:
         return {
             "detector": self.detector.state_dict(),
-            "rows": {str(s): {str(r): encode_float(v) for r, v in row.items()} for s, row in self.rows.items()},
-            "opened": {str(s): t for s, t in self.opened.items()},
             "conditions": {str(r): c.to_dict() for r, c in self.conditions.items()},
             "applied": {str(r): s for r, s in self.applied.items()},
+            "scored": self.scored,
         }
 
     @classmethod
     def from_dict(cls, d: dict, rule: Rule) -> _Track:
         return cls(
             rule, CrossRank.from_state(d["detector"]),
-            rows={int(s): {int(r): float(v) for r, v in row.items()} for s, row in d["rows"].items()},
-            opened={int(s): float(t) for s, t in d["opened"].items()},
             conditions={int(r): Condition(**c) for r, c in d["conditions"].items()},
             applied={int(r): int(s) for r, s in d["applied"].items()},
+            scored=int(d["scored"]),
         )
 
 
@@ -188,13 +192,13 @@ class RunWatch:
         def back(age: float | None) -> float:
             return -math.inf if age is None else clock - age
 
-        tracks = {}
+        kept = {}
         for metric, track in d["tracks"].items():
             rule = rules.cross_rank_rule(metric)
             if rule is not None:
-                tracks[metric] = _Track.from_dict(track, rule)
+                kept[metric] = _Track.from_dict(track, rule)
         return cls(
-            run=d["run"], world_size=d["world_size"], partition=d["partition"], tracks=tracks,
+            run=d["run"], world_size=d["world_size"], partition=d["partition"], tracks=kept,
             stall=None if d["stall"] is None or rules.stall is None else Stall.from_state(d["stall"]),
             stall_conditions={None if r == "run" else int(r): Condition(**c) for r, c in d["stall_conditions"].items()},
             last_step={int(r): s for r, s in d["last_step"].items()},
@@ -222,7 +226,10 @@ def tick_mark(watch: RunWatch) -> tuple:
 class RunWatcher:
     rules: Rules
     row_wait_s: float = 5.0
-    max_rows: int = 256  # rows kept waiting per metric; older ones are scored with what they have
+    # Rows kept waiting per metric (in memory only); beyond either bound the oldest are scored with
+    # what they have. 262,144 cells: 64 steps of 4,096 ranks, one message each at the bench's shape.
+    max_rows: int = 256
+    max_cells: int = 262_144
     # Shared by every run of the worker; the worker's broker watch stops and starts it.
     outages: OutageClock = field(default_factory=OutageClock)
 
@@ -264,6 +271,8 @@ class RunWatcher:
                 if step <= last:
                     continue  # a replay (at-least-once), or a step this rank already gave
                 last = track.applied[progress.rank] = step
+                if step <= track.scored:
+                    continue  # its row was scored without this rank (waited too long, or too many waiting)
                 track.opened.setdefault(step, at)
                 track.rows.setdefault(step, {})[progress.rank] = value
             alerts += self._score_ready(watch, metric, track, at, now)
@@ -331,25 +340,30 @@ class RunWatcher:
     def _score_ready(self, watch: RunWatch, metric: str, track: _Track, at: float, now: float) -> list[Alert]:
         """Score the rows complete, or waiting ``row_wait_s`` by event time ``at``; alerts stamped ``now``."""
         n = watch.world_size
-        ready = sorted(
-            step for step, row in track.rows.items()
-            if len(row) >= n or at - track.opened[step] >= self.row_wait_s or len(track.rows) > self.max_rows
-        )
+        waiting = sorted(track.rows)
+        overflow = len(waiting) - max(2, min(self.max_rows, self.max_cells // max(n, 1)))
+        # In step order: a rank gives its steps in order, so once a later row is complete or overdue
+        # the ranks missing from an earlier one have moved on without giving it.
+        due = [i for i, step in enumerate(waiting)
+               if i < overflow or len(track.rows[step]) >= n or at - track.opened[step] >= self.row_wait_s]
+        ready = waiting[: due[-1] + 1] if due else []
         alerts: list[Alert] = []
         rule = track.rule
         policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)
         for step in ready:
             row = track.rows.pop(step)
             track.opened.pop(step, None)
+            track.scored = step
             values = np.full(n, np.nan)
-            for rank, value in row.items():
-                if rank < n:
-                    values[rank] = value
+            ranks = np.fromiter(row.keys(), dtype=np.int64, count=len(row))
+            inside = ranks < n
+            values[ranks[inside]] = np.fromiter(row.values(), dtype=np.float64, count=len(row))[inside]
             scores = track.detector.update(values)
             flagged = track.detector.decide(scores)
-            for rank in range(n):
-                if rank not in track.conditions and not flagged[rank]:
-                    continue  # conditions exist only for ranks that have been anomalous
+            # Conditions exist only for ranks that have been anomalous: the rest need no policy step.
+            for rank in sorted(set(track.conditions).union(np.flatnonzero(flagged).tolist())):
+                if rank >= n:
+                    continue
                 alerts += policy.apply(
                     track.conditions.setdefault(rank, Condition()),
                     run=watch.run, rank=rank, metric=metric, detector=track.detector.name,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import numpy as np
 import pytest
 from conftest import consume_json
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from rankwatch import contract
 from rankwatch.broker import free_port
@@ -78,3 +79,100 @@ def test_a_crashed_worker_loses_no_alert_and_repeats_only_the_same_transition(ow
     # again, as the same transition, which readers drop by (key, status, incident, ranks).
     assert {(a["key"], a["status"], a["incident"], tuple(a["ranks"])) for a in alerts} == {
         (alerts[0]["key"], "firing", alerts[0]["incident"], tuple(alerts[0]["ranks"]))}, alerts
+
+
+def _changelog(bootstrap: str, topic: str, keys: set[bytes], timeout_s: float = 30.0) -> dict[bytes, tuple[int, bytes]]:
+    """The newest record of each of ``keys`` on ``topic``: key -> (partition, value), once all are there."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50,
+                             auto_offset_reset="earliest", max_partition_fetch_bytes=4 << 20)
+    found: dict[bytes, tuple[int, bytes]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        consumer.subscribe([topic])
+        while time.monotonic() < deadline and not keys <= found.keys():
+            for records in consumer.poll(timeout_ms=200).values():
+                found.update({r.key: (r.partition, r.value) for r in records if r.key in keys})
+    finally:
+        consumer.close()
+    return found
+
+
+def _committed(bootstrap: str, group: str, topic: str, timeout_s: float = 30.0) -> bool:
+    """Whether ``group`` commits every partition of ``topic`` up to its end within ``timeout_s``."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        while tps and time.monotonic() < deadline:
+            ends = consumer.end_offsets(tps)
+            if all((consumer.committed(tp) or 0) >= ends[tp] for tp in tps):
+                return True
+            time.sleep(0.2)
+        return False
+    finally:
+        consumer.close()
+
+
+def test_a_restarted_worker_judges_stragglers_with_what_the_run_learned_before(own_stack, run_id):
+    """The run's cross-rank state is stored and read back after a crash: five straggling steps are
+    too few for a fresh detector (it warms up on ten), so the alert proves the baselines came back."""
+    bootstrap, world = own_stack.bootstrap, 4
+    rng = np.random.default_rng(5)
+
+    def steps(first: int, n: int, slow_rank: int | None = None) -> list[TelemetryBatch]:
+        return [_batch(run_id, rank, first, "compute_time_s",
+                       0.1 + 0.001 * rng.standard_normal(n) + (0.2 if rank == slow_rank else 0.0), world, first)
+                for rank in range(world)]
+
+    _send(bootstrap, *steps(0, 30))
+    key = run_id.encode()
+    stored = _changelog(bootstrap, f"{own_stack.settings.app_id}-run-watch-changelog", {key})
+    assert stored, "the run's watch was not stored"
+    assert msgpack.unpackb(stored[key][1], strict_map_key=False)["tracks"]["compute_time_s"]["detector"]["steps"] >= 20
+
+    # Only once the worker has committed its place: a replay of the first 30 steps would warm up a
+    # fresh detector too, and the alert would prove nothing.
+    assert _committed(bootstrap, own_stack.settings.app_id, contract.RUN_EVENTS), "run events never committed"
+    for worker in own_stack.workers:
+        worker.proc.kill()
+        worker.proc.wait()
+    own_stack.start_workers()
+
+    _send(bootstrap, *steps(30, 5, slow_rank=2))
+    alerts = consume_json(bootstrap, contract.ALERTS,
+                          lambda a: a["run"] == run_id and a["metric"] == "compute_time_s" and a["status"] == "firing",
+                          timeout_s=60)
+    assert alerts and alerts[0]["ranks"] == [2], alerts
+
+
+def test_a_rank_state_over_a_records_limit_is_stored_in_pieces_and_read_back_after_a_crash(own_stack, run_id):
+    """A rank logging 2,000 metrics has ~2.6 MB of state, over the 1 MiB Kafka takes in a record;
+    writing it once stopped the whole worker. It is stored in pieces on the key's partition, and a
+    restarted worker reads them back: it knows seq 0 as applied, and drops a message that claims it."""
+    bootstrap = own_stack.bootstrap
+    values = {f"layer{i:04d}/loss": [1.0, 1.1, 1.2] for i in range(2000)}
+    values["layer0000/loss"] = [1.0, 1.1, float("nan")]
+    wide = TelemetryBatch(run=run_id, rank=0, world_size=1, producer="p", seq=0, ts=time.time(),
+                          series={m: Series(np.arange(3), np.array(v)) for m, v in values.items()})
+    nan_alert = _is(run_id, "layer0000/loss")
+    _send(bootstrap, wide)
+    assert consume_json(bootstrap, contract.ALERTS, nan_alert, timeout_s=60)
+
+    key, changelog = wide.key, f"{own_stack.settings.app_id}-rank-state-changelog"
+    stored = _changelog(bootstrap, changelog, {key, key + b"\0#0", key + b"\0#1", key + b"\0#2"})
+    assert len(stored) == 4 and len({partition for partition, _ in stored.values()}) == 1, stored.keys()
+    assert msgpack.unpackb(stored[key][1])["__pieces__"] == 3
+    assert _committed(bootstrap, own_stack.settings.app_id, contract.TELEMETRY), "telemetry never committed"
+    for worker in own_stack.workers:
+        worker.proc.kill()
+        worker.proc.wait()
+    own_stack.start_workers()
+
+    # Seq 0 again, with a NaN of its own: a worker that lost the state would apply it and alert.
+    # Steps apart, so that neither joins another's page.
+    probe = _batch(run_id, 0, 0, "layer0001/loss", [1.0, 1.1, float("nan")], world=1, first_step=10)
+    _send(bootstrap, probe, _batch(run_id, 0, 1, "marker", [float("nan")], world=1, first_step=20))
+    assert consume_json(bootstrap, contract.ALERTS, _is(run_id, "marker"), timeout_s=60), "the restarted worker is silent"
+    assert not consume_json(bootstrap, contract.ALERTS,
+                            lambda a: a["run"] == run_id and "layer0001/loss" in [a["metric"], *a.get("metrics", [])],
+                            timeout_s=2)

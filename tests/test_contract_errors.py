@@ -335,3 +335,19 @@ def test_a_malformed_rollup_sketch_is_rejected(sketch):
                             std=0.0, min=1.0, max=1.0, last=1.0, ts=1.0).to_bytes())
     with pytest.raises(SchemaError):
         Rollup.from_bytes(json.dumps({**obj, "sketch": sketch}).encode())
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize("where", ["run", "metric"])
+def test_a_nul_character_in_a_run_or_metric_is_refused(binary, where):
+    """The worker's state tables keep parts of a value under ``key + NUL``: no message may make one."""
+    good = _batch()
+    run, series = good.run, dict(good.series)
+    if where == "run":
+        run = "a\x00b"
+    else:
+        series["loss\x00x"] = series.pop(next(iter(series)))
+    bad = TelemetryBatch(run=run, rank=good.rank, world_size=good.world_size, producer=good.producer, seq=good.seq,
+                         ts=good.ts, series=series)
+    with pytest.raises(SchemaError, match="NUL character"):
+        TelemetryBatch.from_bytes(bad.to_bytes(binary=binary))

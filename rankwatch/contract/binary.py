@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from rankwatch.contract.codec import check_size, field_of, ts_field
+from rankwatch.contract.codec import check_size, field_of, reject_nul, ts_field
 from rankwatch.errors import SchemaError
 
 #: First byte of every binary telemetry message (JSON messages start with ``{``).
@@ -97,6 +97,7 @@ def unpack_telemetry(data: bytes) -> dict[str, Any]:
     if obj.get("kind") != KIND:
         raise SchemaError(f"expected kind {KIND!r}, got {obj.get('kind')!r}")
     out: dict[str, Any] = {name: field_of(obj, name, kind) for name, kind in HEADER_FIELDS.items()}
+    reject_nul(out["run"], out["producer"])
     if not 0 <= out["rank"] < out["world_size"]:
         raise SchemaError(f"rank {out['rank']} outside world_size {out['world_size']}")
     out["ts"] = ts_field(obj)
@@ -111,6 +112,7 @@ def _unpack_series(obj: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         raise SchemaError(f"{len(names)} names but {len(counts)} counts")
     if not all(type(n) is str for n in names) or len(set(names)) != len(names):
         raise SchemaError("names must be distinct strings")
+    reject_nul(*names)
     if not all(type(c) is int and c >= 0 for c in counts):
         raise SchemaError("counts must be integers >= 0")
     total = sum(counts)

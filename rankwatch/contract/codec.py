@@ -164,10 +164,12 @@ def decode_any(data: bytes) -> dict[str, Any]:
     # would fail to encode far from here. The walk runs only when such an escape may be present.
     if "\\ud" in text or "\\uD" in text:
         _reject_lone_surrogates(obj)
+    if "\\u0000" in text:
+        reject_nul(*_strings(obj))
     return obj
 
 
-def _reject_lone_surrogates(obj: Any) -> None:
+def _strings(obj: Any):
     stack = [obj]
     while stack:
         item = stack.pop()
@@ -177,10 +179,23 @@ def _reject_lone_surrogates(obj: Any) -> None:
         elif isinstance(item, list):
             stack += item
         elif isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise SchemaError(f"string with a lone surrogate: {_short(item)}") from None
+            yield item
+
+
+def reject_nul(*strings: str) -> None:
+    """A NUL in a run id or name would collide with the worker's own keys (its state tables keep
+    parts of a key's value after a NUL), so no string of a message may hold one."""
+    for item in strings:
+        if "\x00" in item:
+            raise SchemaError(f"string with a NUL character: {_short(item)}")
+
+
+def _reject_lone_surrogates(obj: Any) -> None:
+    for item in _strings(obj):
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SchemaError(f"string with a lone surrogate: {_short(item)}") from None
 
 
 def encode_tree(obj: Any) -> Any:
