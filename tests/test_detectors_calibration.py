@@ -97,3 +97,23 @@ def test_an_event_that_recurs_at_a_fixed_spacing_is_reported_twice_then_learned(
     # A fault off that rhythm is still news.
     assert d.decide(d.update(np.r_[x[:100], 1.2]))[-1]
 
+
+
+def test_a_spike_on_a_rising_series_is_seen_against_its_local_line():
+    # Memory that grows 3 units a step: a rolling median lags it by half a window (~100 units, with
+    # a MAD as wide), which hid a 60-unit spike; once the line predicts better, it is the yardstick.
+    rng = np.random.default_rng(6)
+    x = 2000.0 + 3.0 * np.arange(400) + rng.normal(0, 2.0, 400)
+    x[300] += 60.0
+    d = build("spike")
+    assert np.flatnonzero(d.decide(d.update(x))).tolist() == [300]
+    assert d.trending
+
+
+def test_a_large_level_shift_is_news_at_its_first_point_only():
+    # Each point after a 20-sigma shift is as far from the old median as the first, but it agrees
+    # with the points just before it: the shift is one flagged point, then a re-baseline.
+    rng = np.random.default_rng(8)
+    x = np.r_[rng.normal(10.0, 0.1, 500), rng.normal(12.0, 0.1, 300)]
+    d = build("spike")
+    assert np.flatnonzero(d.decide(d.update(x))).tolist() == [500]

@@ -36,6 +36,8 @@ class Blowup(RobustSpike):
 
     name = "blowup"
     severity = "critical"
+    # "Ten times the usual" is against the usual level, not a line through a burst.
+    follows_trend = False
 
     def __init__(
         self,
@@ -55,13 +57,17 @@ class Blowup(RobustSpike):
         period: int = 0,
         seen: int = 0,
         marks: Sequence[int] = (),
+        last_alarm: int = 0,
+        held: bool = False,
+        trending: bool = False,
+        last_z: float = 0.0,
     ):
         if min_factor <= 1 or floor <= 0:
             raise ValueError("need min_factor > 1 and floor > 0")
         super().__init__(
             window=window, warmup=warmup, threshold=threshold, direction="up", tail=tail, memory=memory,
             rebase=rebase, max_period=max_period, history=history, calib=calib, run=run, period=period, seen=seen,
-            marks=marks,
+            marks=marks, last_alarm=last_alarm, held=held, last_z=last_z,
         )
         self.min_factor, self.floor = min_factor, floor
         self._min_log_scale = math.log(min_factor) / 8.0  # a min_factor jump is z = 8 at least
@@ -98,4 +104,8 @@ class Blowup(RobustSpike):
             "period": self.period,
             "seen": self.seen,
             "marks": list(self.marks),
+            "last_alarm": self.last_alarm,
+            "held": self.held,
+            "trending": self.trending,
+            "last_z": self.last_z,
         }

@@ -9,6 +9,10 @@ history) after it first turns negative, the textbook reading of a correlogram, a
 if it is at least ``MIN_ACF`` and the phase model fits the recent points clearly better than a
 rolling median (``phase_helps``): a random walk correlates at every lag, yet its past phases
 predict it worse than its recent median, so it gets no period.
+
+A series without a period may still trend (memory that grows until a checkpoint frees it, a
+cycle too long to hold three of): ``local_line`` predicts a point from the line through its window,
+and ``trend_helps`` keeps that only where it predicts the history clearly better than the median.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+
+from rankwatch.stream_processors.detectors.scoring import median_rows
 
 #: Autocorrelation of the differences at the period needed to call it one.
 MIN_ACF = 0.3
@@ -86,3 +92,36 @@ def detect_period(history: np.ndarray, window: int, max_period: int) -> int:
     if acf[best] < MIN_ACF or not phase_helps(y, best, window):
         return 0
     return best
+
+
+def local_line(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each row of a window: the line's value one point past its end, and the row around its line.
+
+    The slope is the gap between the medians of the window's halves over the distance between
+    them: robust to a burst in either half, and in closed form (a Theil-Sen slope is O(window^2)).
+    """
+    n = rows.shape[1]
+    half = n // 2
+    slope = (median_rows(rows[:, n - half :]) - median_rows(rows[:, :half])) / (n - half)
+    t = np.arange(n) - 0.5 * (n - 1)
+    detrended = rows - slope[:, None] * t
+    level = median_rows(detrended)
+    return level + slope * 0.5 * (n + 1), detrended
+
+
+#: Points of history the line and the median are compared on.
+TREND_EVAL = 128
+
+
+def trend_helps(history: np.ndarray, window: int) -> bool:
+    """Whether the local line predicts the last ``TREND_EVAL`` points clearly better (``MIN_GAIN``)
+    than the rolling median does. On stationary noise the line only adds the slope's noise, and on
+    a series that turns (a loss at the end of its fast fall) it overshoots: both keep the median."""
+    y = np.asarray(history, dtype=np.float64)
+    if len(y) < window + TREND_EVAL or window < 8:
+        return False
+    rows = np.lib.stride_tricks.sliding_window_view(y[-(TREND_EVAL + window) : -1], window)
+    target = y[-TREND_EVAL:]
+    line, _ = local_line(rows)
+    rolling = np.abs(target - median_rows(rows))
+    return float(np.abs(target - line).mean()) <= MIN_GAIN * float(rolling.mean())

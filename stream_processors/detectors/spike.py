@@ -8,7 +8,7 @@ import numpy as np
 
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
-from rankwatch.stream_processors.detectors.seasonal import detect_period, phase_baseline
+from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
     check_direction,
@@ -27,7 +27,7 @@ PRIOR_WEIGHT = 50.0
 SHIFT_Z = 4.0
 #: Learned points between two looks for a period.
 PERIOD_EVERY = 64
-#: Past flagged positions kept: the third alarm at the same spacing is a recurrence, not a fault.
+#: Starts of alarm episodes kept: the third at the same spacing is a recurrence, not a fault.
 MARKS = 3
 
 
@@ -82,6 +82,8 @@ class RobustSpike(Detector):
 
     name = "spike"
     severity = "warning"
+    #: Whether a series without a period may be judged against its window's line (``trend_helps``).
+    follows_trend = True
 
     def __init__(
         self,
@@ -101,6 +103,10 @@ class RobustSpike(Detector):
         period: int = 0,
         seen: int = 0,
         marks: Sequence[int] = (),
+        last_alarm: int = 0,
+        held: bool = False,
+        trending: bool = False,
+        last_z: float = 0.0,
     ):
         if window < 3 or not 2 <= warmup <= window:
             raise ValueError("need window >= 3 and 2 <= warmup <= window")
@@ -116,7 +122,12 @@ class RobustSpike(Detector):
         self.run = int(run)  # signed count of consecutive far points on one side
         self.period = int(period)  # the detected period in points (0: none)
         self.seen = int(seen)  # finite points learned: the period is checked every PERIOD_EVERY
-        self.marks = [int(m) for m in marks][-MARKS:]  # positions (in ``seen``) of the last alarms
+        # Where the last alarm episodes began and the last alarm was (positions in ``seen``), and
+        # whether the present episode is a recurrence (``_recurrences``).
+        self.marks = [int(m) for m in marks][-MARKS:]
+        self.last_alarm, self.held = int(last_alarm), bool(held)
+        self.trending = bool(trending)  # without a period: judged against the window's line
+        self.last_z = float(last_z)  # the last learned point's z (``_continuations``)
         counts, pending = calib if calib else (prior_counts(half_normal_sf, PRIOR_WEIGHT), [])
         self.calib = TailModel(counts, pending, memory=memory)
 
@@ -132,7 +143,11 @@ class RobustSpike(Detector):
     def _floor(self, median: np.ndarray) -> np.ndarray:
         return np.maximum(self.min_scale, self.min_scale * np.abs(median))
 
-    def _center_scale(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _center_scale(self, rows: np.ndarray, line: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        if line:
+            centre, detrended = local_line(rows)
+            spread = median_rows(np.abs(detrended - median_rows(detrended)[:, None])) / MAD_TO_SIGMA
+            return centre, np.maximum(spread, self._floor(centre))
         median = median_rows(rows)
         mad = median_rows(np.abs(rows - median[:, None])) / MAD_TO_SIGMA
         scale = mad if self.tail <= 0.5 else np.maximum(mad, tail_sigma(rows, median, self.tail, self.direction))
@@ -160,7 +175,7 @@ class RobustSpike(Detector):
         else:
             centers, scales = [], []
             for rows in trailing_windows(series, w, first):
-                middle, unit = self._center_scale(rows)
+                middle, unit = self._center_scale(rows, line=self.trending and rows.shape[1] == w)
                 centers.append(middle)
                 scales.append(unit)
             center, scale = np.concatenate(centers), np.concatenate(scales)
@@ -189,6 +204,17 @@ class RobustSpike(Detector):
 
     def learn(self, values: np.ndarray) -> None:
         self.update(values)
+
+    def _continuations(self, z: np.ndarray) -> np.ndarray:
+        """``z`` with each far point that continues the one before it (both 4 sigmas off the same
+        way, and this one less than 4 sigmas further out) held to 4 sigmas: a level that has moved,
+        or a sawtooth just reset, is news at its first point, not at each of the next seven until
+        ``rebase`` confirms it. A 50x step after a routine 5x burst is no continuation."""
+        before = np.r_[self.last_z, z[:-1]]
+        with np.errstate(invalid="ignore"):
+            again = (np.abs(z) >= SHIFT_Z) & (np.abs(before) >= SHIFT_Z) & (np.sign(z) == np.sign(before))
+            again &= np.abs(z) < np.abs(before) + SHIFT_Z
+        return np.where(again, np.clip(z, -SHIFT_Z, SHIFT_Z), z)
 
     def _shift(self, z: np.ndarray) -> int | None:
         """Advance the count of consecutive far points on one side over the post-warm-up ``z``; the
@@ -219,19 +245,21 @@ class RobustSpike(Detector):
 
         A checkpoint every 500 steps, an evaluation pass every 80 or a sawtooth's reset is structure
         that the one-period phase model may not hold (a second period, or one longer than
-        ``max_period``): when the two alarms before this one are as far apart as this one is from
-        the last (within 5%), and more than ``rebase`` points, it is the same event again. A fault
-        is rarely so punctual, and its first two occurrences are reported.
+        ``max_period``). An episode is a run of alarms each within ``rebase`` points of the last;
+        when the two episodes before this one began as far apart as this one begins after the last
+        (within 5%), it is the same event again and all of it is held. A fault is rarely so
+        punctual, and its first two occurrences are reported.
         """
+        hold = 1.0 - 2.0 * (1.0 - self.threshold)
         for i in np.flatnonzero(s >= self.threshold).tolist():
             pos = first + i
-            if len(self.marks) >= 2:
-                gap, before = pos - self.marks[-1], self.marks[-1] - self.marks[-2]
-                # Alarms closer than ``rebase`` points are one lasting deviation (a level change's
-                # business), not an event that recurs.
-                if before > max(self.rebase, 2) and abs(gap - before) <= max(1.0, 0.05 * before):
-                    s[i] = min(s[i], 1.0 - 2.0 * (1.0 - self.threshold))
-            self.marks = (self.marks + [pos])[-MARKS:]
+            if not self.marks or pos - self.last_alarm > max(self.rebase, 1):
+                gaps = np.diff(self.marks[-2:] + [pos])
+                self.held = bool(len(gaps) == 2 and abs(gaps[1] - gaps[0]) <= max(1.0, 0.05 * gaps[0]))
+                self.marks = (self.marks + [pos])[-MARKS:]
+            if self.held:
+                s[i] = min(s[i], hold)
+            self.last_alarm = pos
 
     def update(self, values: np.ndarray) -> np.ndarray:
         # Within a stretch (no level change, no period check) every point's z is known up front,
@@ -254,18 +282,26 @@ class RobustSpike(Detector):
                 z[first - start :] = self._z_stretch(series, first)
             # Warm-up points (the first ones, z NaN) score 0 and teach the tail model nothing.
             warm = max(first - start, 0)
+            judged = self._continuations(z[warm:])
             shift = self._shift(z[warm:])
             upto = len(z) if shift is None else warm + shift + 1
             # The tail model scores each point, then learns it (beyond the threshold only up to
             # the threshold's quantile): a deviation that recurs becomes normal, one fault does not.
-            s = self.calib.update_many(directed(z[warm:upto], self.direction), self.threshold)
+            s = self.calib.update_many(directed(judged[: upto - warm], self.direction), self.threshold)
             rebased = None
             if shift is not None:
                 # A level change is confirmed: ``rebase`` points in a row, each as rare as a
-                # 4-sigma one, is far rarer than the threshold on clean data.
-                s[-1] = max(s[-1], 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
+                # 4-sigma one, is far rarer than the threshold on clean data. It is news only if
+                # no point of the run was (a large shift is reported at its first point).
+                begun = self.seen + upto - 1 - (self.rebase - 1)
+                if not (s[max(len(s) - self.rebase, 0) :] >= self.threshold).any() and not (
+                    self.marks and self.last_alarm >= begun
+                ):
+                    s[-1] = max(s[-1], 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
                 rebased = upto - 1
             self._recurrences(s, self.seen + warm)
+            last = z[upto - 1] if upto > warm else 0.0
+            self.last_z = float(last) if rebased is None and math.isfinite(last) else 0.0
             scores[finite[done + warm : done + upto]] = s
             if rebased is None:
                 self.history = series[-self.span :].tolist()
@@ -285,12 +321,14 @@ class RobustSpike(Detector):
                 self.history = np.r_[before + delta, new][-self.span :].tolist()
                 self.seen += upto - done
                 self.run, done = 0, upto
-            if self.max_period and self.seen % PERIOD_EVERY == 0:
-                period = detect_period(np.asarray(self.history), self.window, self.max_period)
-                if abs(period - self.period) > 0.1 * max(period, self.period):
+            if self.seen % PERIOD_EVERY == 0 and (self.max_period or self.follows_trend):
+                history = np.asarray(self.history)
+                period = detect_period(history, self.window, self.max_period) if self.max_period else 0
+                trending = self.follows_trend and not period and trend_helps(history, self.window)
+                if abs(period - self.period) > 0.1 * max(period, self.period) or trending != self.trending:
                     # Another model of the series: its z follow another law, learned afresh.
                     self.calib = TailModel(prior_counts(half_normal_sf, PRIOR_WEIGHT), memory=self.memory)
-                self.period = period
+                self.period, self.trending = period, trending
         return scores
 
     def state_dict(self) -> dict[str, Any]:
@@ -310,4 +348,8 @@ class RobustSpike(Detector):
             "period": self.period,
             "seen": self.seen,
             "marks": list(self.marks),
+            "last_alarm": self.last_alarm,
+            "held": self.held,
+            "trending": self.trending,
+            "last_z": self.last_z,
         }
