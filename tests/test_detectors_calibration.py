@@ -117,3 +117,13 @@ def test_a_large_level_shift_is_news_at_its_first_point_only():
     x = np.r_[rng.normal(10.0, 0.1, 500), rng.normal(12.0, 0.1, 300)]
     d = build("spike")
     assert np.flatnonzero(d.decide(d.update(x))).tolist() == [500]
+
+
+def test_ewma_reports_a_sawtooth_reset_twice_then_learns_the_rhythm():
+    # Memory that grows until a checkpoint frees it every 700 steps: each reset was 4 to 8 flagged
+    # points under ewma; now the first point of the first two resets, and no more.
+    rng = np.random.default_rng(9)
+    t = np.arange(3000)
+    x = 2000.0 + 3.0 * (t % 700) + rng.normal(0, 2.0, 3000)
+    d = build("ewma")
+    assert np.flatnonzero(d.decide(d.update(x))).tolist() == [700, 1400]

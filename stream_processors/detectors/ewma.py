@@ -8,6 +8,7 @@ import numpy as np
 
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
+from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
 from rankwatch.stream_processors.detectors.spike import SHIFT_Z
 from rankwatch.stream_processors.detectors.scoring import (
     check_direction,
@@ -37,7 +38,8 @@ class EwmaResidual(Detector):
     sigmas off on one side the level has changed, and the detector re-warms from there (a shift is
     one incident, not ``2/alpha`` flagged points). The sigma is floored at half the smallest step
     between two points seen (the reading's resolution), so a quantised gauge that flickers by one
-    unit is not anomalous. Non-finite points score 0 and are not learned.
+    unit is not anomalous. As in ``spike``, a shift is news at its first point and an alarm that
+    recurs at a fixed spacing is held from its third time (``recurrence``). Non-finite points score 0 and are not learned.
 
     Suits loss, grad norm, throughput, step time ("up").
 
@@ -71,6 +73,11 @@ class EwmaResidual(Detector):
         run: int = 0,
         last: float | None = None,
         step: float = 0.0,
+        seen: int = 0,
+        last_z: float = 0.0,
+        marks: Sequence[int] = (),
+        last_alarm: int = 0,
+        held: bool = False,
     ):
         if not 0 < alpha < 1 or warmup < 2:
             raise ValueError("need 0 < alpha < 1 and warmup >= 2")
@@ -86,6 +93,9 @@ class EwmaResidual(Detector):
         # The last finite point and the smallest non-zero step seen: the reading's resolution
         # (``scoring.resolution``), so a quantised gauge flickering by one unit is not anomalous.
         self.last, self.step = (None if last is None else float(last)), float(step)
+        # Points learned, the last one's z, and the alarm episodes (``recurrence``).
+        self.seen, self.last_z = int(seen), float(last_z)
+        self.marks, self.last_alarm, self.held = [int(m) for m in marks][-MARKS:], int(last_alarm), bool(held)
         counts, pending = calib if calib else (prior_counts(half_normal_sf, 50.0), [])
         self.calib = TailModel(counts, pending, memory=memory)
 
@@ -106,18 +116,30 @@ class EwmaResidual(Detector):
         magnitude = None
         residual = x - self.mean if self.count else 0.0
         moved = abs(x - self.last) if self.last is not None else 0.0
+        z = 0.0
         if self.count >= self.warmup:
             sigma = self._sigma()
             z = standardise_one(x, self.mean, sigma)
-            magnitude = directed_one(z, self.direction)
+            # A far point that continues a far point is held (``recurrence.continuations``).
+            magnitude = directed_one(float(continuations(np.array([z]), self.last_z, SHIFT_Z)[0]), self.direction)
             residual = min(max(residual, -self.clip * sigma), self.clip * sigma)
             side = 0 if abs(z) < SHIFT_Z else (1 if z > 0 else -1)
             self.run = self.run + side if side and self.run * side > 0 else side
+        self.last_z = z if math.isfinite(z) else 0.0
         score = 0.0 if magnitude is None else self.calib.update(magnitude, self.threshold)
         if self.rebase and abs(self.run) >= self.rebase:
-            # A new level, confirmed (as ``spike`` scores it): re-warm on it, starting here.
-            score = max(score, 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
-            self.count, self.dev, self.run = 0, 0.0, 0
+            # A new level, confirmed (as ``spike`` scores it): news only if no point of the run
+            # was. Then re-warm on it, starting here.
+            if not (self.marks and self.last_alarm > self.seen - self.rebase):
+                score = max(score, 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
+            self.count, self.dev, self.run, self.last_z = 0, 0.0, 0, 0.0
+        if score >= self.threshold:
+            held = np.array([score])
+            self.marks, self.last_alarm, self.held = hold_recurrences(
+                held, self.seen, self.threshold, self.rebase, self.marks, self.last_alarm, self.held
+            )
+            score = float(held[0])
+        self.seen += 1
         if not math.isfinite(residual):
             return score  # |x| near the float limit: learning it would poison the state with inf
         if 0.0 < moved < math.inf and (not self.step or moved < self.step):
@@ -155,4 +177,9 @@ class EwmaResidual(Detector):
             "run": self.run,
             "last": self.last,
             "step": self.step,
+            "seen": self.seen,
+            "last_z": self.last_z,
+            "marks": list(self.marks),
+            "last_alarm": self.last_alarm,
+            "held": self.held,
         }

@@ -8,6 +8,7 @@ import numpy as np
 
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
+from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
 from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
@@ -27,8 +28,6 @@ PRIOR_WEIGHT = 50.0
 SHIFT_Z = 4.0
 #: Learned points between two looks for a period.
 PERIOD_EVERY = 64
-#: Starts of alarm episodes kept: the third at the same spacing is a recurrence, not a fault.
-MARKS = 3
 
 
 class RobustSpike(Detector):
@@ -123,11 +122,11 @@ class RobustSpike(Detector):
         self.period = int(period)  # the detected period in points (0: none)
         self.seen = int(seen)  # finite points learned: the period is checked every PERIOD_EVERY
         # Where the last alarm episodes began and the last alarm was (positions in ``seen``), and
-        # whether the present episode is a recurrence (``_recurrences``).
+        # whether the present episode is a recurrence (``recurrence.hold_recurrences``).
         self.marks = [int(m) for m in marks][-MARKS:]
         self.last_alarm, self.held = int(last_alarm), bool(held)
         self.trending = bool(trending)  # without a period: judged against the window's line
-        self.last_z = float(last_z)  # the last learned point's z (``_continuations``)
+        self.last_z = float(last_z)  # the last learned point's z (``recurrence.continuations``)
         counts, pending = calib if calib else (prior_counts(half_normal_sf, PRIOR_WEIGHT), [])
         self.calib = TailModel(counts, pending, memory=memory)
 
@@ -205,17 +204,6 @@ class RobustSpike(Detector):
     def learn(self, values: np.ndarray) -> None:
         self.update(values)
 
-    def _continuations(self, z: np.ndarray) -> np.ndarray:
-        """``z`` with each far point that continues the one before it (both 4 sigmas off the same
-        way, and this one less than 4 sigmas further out) held to 4 sigmas: a level that has moved,
-        or a sawtooth just reset, is news at its first point, not at each of the next seven until
-        ``rebase`` confirms it. A 50x step after a routine 5x burst is no continuation."""
-        before = np.r_[self.last_z, z[:-1]]
-        with np.errstate(invalid="ignore"):
-            again = (np.abs(z) >= SHIFT_Z) & (np.abs(before) >= SHIFT_Z) & (np.sign(z) == np.sign(before))
-            again &= np.abs(z) < np.abs(before) + SHIFT_Z
-        return np.where(again, np.clip(z, -SHIFT_Z, SHIFT_Z), z)
-
     def _shift(self, z: np.ndarray) -> int | None:
         """Advance the count of consecutive far points on one side over the post-warm-up ``z``; the
         index of the point that confirms a level change (``rebase`` in a row), where the count stops,
@@ -239,28 +227,6 @@ class RobustSpike(Detector):
                 return i
         return None
 
-    def _recurrences(self, s: np.ndarray, first: int) -> None:
-        """Hold under the threshold an alarm that recurs at a fixed spacing (in place; ``s[i]`` is the
-        point at position ``first + i``).
-
-        A checkpoint every 500 steps, an evaluation pass every 80 or a sawtooth's reset is structure
-        that the one-period phase model may not hold (a second period, or one longer than
-        ``max_period``). An episode is a run of alarms each within ``rebase`` points of the last;
-        when the two episodes before this one began as far apart as this one begins after the last
-        (within 5%), it is the same event again and all of it is held. A fault is rarely so
-        punctual, and its first two occurrences are reported.
-        """
-        hold = 1.0 - 2.0 * (1.0 - self.threshold)
-        for i in np.flatnonzero(s >= self.threshold).tolist():
-            pos = first + i
-            if not self.marks or pos - self.last_alarm > max(self.rebase, 1):
-                gaps = np.diff(self.marks[-2:] + [pos])
-                self.held = bool(len(gaps) == 2 and abs(gaps[1] - gaps[0]) <= max(1.0, 0.05 * gaps[0]))
-                self.marks = (self.marks + [pos])[-MARKS:]
-            if self.held:
-                s[i] = min(s[i], hold)
-            self.last_alarm = pos
-
     def update(self, values: np.ndarray) -> np.ndarray:
         # Within a stretch (no level change, no period check) every point's z is known up front,
         # since the history grows by the finite points whatever their scores: one numpy pass per
@@ -282,7 +248,7 @@ class RobustSpike(Detector):
                 z[first - start :] = self._z_stretch(series, first)
             # Warm-up points (the first ones, z NaN) score 0 and teach the tail model nothing.
             warm = max(first - start, 0)
-            judged = self._continuations(z[warm:])
+            judged = continuations(z[warm:], self.last_z, SHIFT_Z)
             shift = self._shift(z[warm:])
             upto = len(z) if shift is None else warm + shift + 1
             # The tail model scores each point, then learns it (beyond the threshold only up to
@@ -299,7 +265,9 @@ class RobustSpike(Detector):
                 ):
                     s[-1] = max(s[-1], 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
                 rebased = upto - 1
-            self._recurrences(s, self.seen + warm)
+            self.marks, self.last_alarm, self.held = hold_recurrences(
+                s, self.seen + warm, self.threshold, self.rebase, self.marks, self.last_alarm, self.held
+            )
             last = z[upto - 1] if upto > warm else 0.0
             self.last_z = float(last) if rebased is None and math.isfinite(last) else 0.0
             scores[finite[done + warm : done + upto]] = s

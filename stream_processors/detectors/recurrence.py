@@ -1,0 +1,47 @@
+"""Alarms that are structure, not news: a deviation that continues the one before it, and an alarm
+episode that recurs at a fixed spacing. Shared by ``spike`` (and ``blowup``) and ``ewma``.
+
+- **Continuations.** A point far off (``far`` sigmas) right after a point far off the same way, and not
+  ``far`` sigmas further out, is held to ``far``: a level that moved, or a sawtooth that just reset,
+  is news at its first point, not at each point until the detector re-baselines. A 50x step after a
+  routine 5x burst is further out, so it is news.
+- **Recurrences.** A checkpoint every 500 steps, an evaluation pass every 80, a sawtooth's reset: an
+  alarm episode (alarms each within ``gap`` points of the last) that begins as far after the last
+  episode as that one began after the one before (within 5%) is the same event again, and all of it
+  is held under the threshold. A fault is rarely so punctual, and its first two occurrences are
+  reported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Starts of alarm episodes kept: the third at the same spacing is a recurrence.
+MARKS = 3
+
+
+def continuations(z: np.ndarray, last_z: float, far: float) -> np.ndarray:
+    """``z`` with each continuing far point held to ``far`` (``last_z``: the z of the point before ``z[0]``)."""
+    before = np.r_[last_z, z[:-1]]
+    with np.errstate(invalid="ignore"):
+        again = (np.abs(z) >= far) & (np.abs(before) >= far) & (np.sign(z) == np.sign(before))
+        again &= np.abs(z) < np.abs(before) + far
+    return np.where(again, np.clip(z, -far, far), z)
+
+
+def hold_recurrences(
+    s: np.ndarray, first: int, threshold: float, gap: int, marks: list[int], last_alarm: int, held: bool
+) -> tuple[list[int], int, bool]:
+    """Hold recurring alarms of ``s`` (scores of the points at positions ``first``, ``first + 1``, ...)
+    just under ``threshold``, in place; returns the new ``marks``, ``last_alarm`` and ``held``."""
+    hold = 1.0 - 2.0 * (1.0 - threshold)
+    for i in np.flatnonzero(s >= threshold).tolist():
+        pos = first + i
+        if not marks or pos - last_alarm > max(gap, 1):
+            spacing = np.diff(marks[-2:] + [pos])
+            held = bool(len(spacing) == 2 and abs(spacing[1] - spacing[0]) <= max(1.0, 0.05 * spacing[0]))
+            marks = (marks + [pos])[-MARKS:]
+        if held:
+            s[i] = min(s[i], hold)
+        last_alarm = pos
+    return marks, last_alarm, held
