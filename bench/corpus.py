@@ -116,6 +116,8 @@ def clean_runs(rules=None) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=("nab", "runs"), help="one table")
+    parser.add_argument("--proposed", action="store_true",
+                        help="also score the scenario bench's proposed rules (scenario_rules) on the clean runs")
     args = parser.parse_args(argv)
     if not (CORPUS / "validate").exists():
         subprocess.run([sys.executable, str(HERE / "data" / "make_corpus.py")], check=True)
@@ -129,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "runs"):
         print("\nDefault rules on clean recorded training runs (every alert is false):")
         clean_runs()
+        if args.proposed:
+            from scenario_rules import proposed_rules
+
+            print("\nThe scenario bench's proposed rules on the same runs:")
+            clean_runs(proposed_rules())
     return 0
 
 

@@ -1,7 +1,20 @@
 """Rules the scenario bench proposes as defaults, scored beside ``rules.default.toml``.
 
-This proposal has been adopted as ``stream_processors/rules.default.toml``; edit ``PROPOSED`` to
-score the next candidate against the defaults.
+The current proposal (issue 18) is the defaults with two straggler rules changed; it is not adopted
+yet because ``tests/rules.toml`` (the broker tests' copy of the defaults, which a test holds equal to
+them) must change with it:
+
+- ``compute_time_s`` and ``collective_time_s`` across ranks: ``persist = 2, cusum_k = 2.0,
+  cusum_h = 6.0`` instead of ``cusum_k = 3.0, cusum_h = 10.0``. With four ranks on two cores a
+  random rank is descheduled for a step now and then, 1.3-1.7x slower than its peers, which is as
+  slow as the injected straggler (1.3-1.9x); only persistence tells them apart. ``persist = 2``
+  counts a rank's evidence only where it held two steps running, and the lower ``k``/``h`` give
+  back the sensitivity that costs. Chosen on the recordings of seeds 6-7 (offline per-rule
+  simulation, then the full replay): compute-time false episodes 22 -> 8 with stragglers caught 3/4
+  -> 4/4; collective-time false episodes 10 -> 3; the replay's recall 17/18 -> 18/18 and false alerts
+  21 -> 14 in 14,340 clean rank-steps. On a quiet host the delay is 2 steps (the second slow step).
+
+Earlier changes, adopted in ``stream_processors/rules.default.toml``:
 
 Each change from the defaults is there for a number the bench printed (see the final report of
 the bench's author; chosen on seeds 0-2, so check them on others with ``--first-seed``):
@@ -35,7 +48,21 @@ from __future__ import annotations
 
 from rankwatch.stream_processors.rules import DEFAULT_RULES_PATH, Rules
 
-PROPOSED = DEFAULT_RULES_PATH.read_text()
+_STRAGGLER_RULES = {
+    'params = { direction = "up", min_rel = 0.02, cusum_k = 3.0, cusum_h = 10.0 }':
+        'params = { direction = "up", min_rel = 0.02, persist = 2, cusum_k = 2.0, cusum_h = 6.0 }',
+    'params = { direction = "down", wait = true, min_rel = 0.05, min_scale = 0.002, cusum_k = 3.0, cusum_h = 10.0 }':
+        'params = { direction = "down", wait = true, min_rel = 0.05, min_scale = 0.002, persist = 2, cusum_k = 2.0, cusum_h = 6.0 }',
+}
+
+
+def _propose(defaults: str) -> str:
+    for old, new in _STRAGGLER_RULES.items():
+        defaults = defaults.replace(old, new)  # once adopted, the defaults already read ``new``
+    return defaults
+
+
+PROPOSED = _propose(DEFAULT_RULES_PATH.read_text())
 
 
 def proposed_rules() -> Rules:

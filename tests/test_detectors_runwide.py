@@ -76,6 +76,35 @@ def test_crossrank_cusum_ignores_one_hiccup_however_large_and_is_quiet_on_noise(
     assert np.array_equal(again.score(row), d.score(row)) and np.array_equal(again.rank_sum, d.rank_sum)
 
 
+def test_crossrank_persist_ignores_random_one_step_slowdowns_and_still_names_a_straggler():
+    # Four ranks on two cores: each step one rank at random is descheduled and runs 1.5x slow, as
+    # slow as the straggler (issue 18: most false straggler alerts on a loaded host). The straggler
+    # differs only in staying slow.
+    rng = np.random.default_rng(57)
+    times = rng.normal(1.0, 0.02, (300, 4))
+    last = -1
+    for step in range(300):
+        if rng.random() < 0.3:
+            last = int(rng.choice([r for r in range(4) if r != last]))  # never the same rank twice running
+            times[step, last] *= 1.5
+        else:
+            last = -1
+    times[200:260, 2] *= 1.5
+    plain = CrossRank(direction="up", min_rel=0.02)
+    assert plain.decide(plain.update(times))[:200].any()  # each slowdown is far past |z| = 7.7
+    d = CrossRank(direction="up", min_rel=0.02, persist=2)
+    flagged = d.decide(d.update(times))
+    named = np.argwhere(flagged)
+    assert set(named[:, 1].tolist()) == {2} and named[0, 0] == 201  # its second slow step
+    # With the CUSUM of the proposed rules, a step or two later.
+    d = CrossRank(direction="up", min_rel=0.02, persist=2, cusum_k=2.0, cusum_h=6.0)
+    named = np.argwhere(d.decide(d.update(times)))
+    assert set(named[:, 1].tolist()) == {2} and 201 <= named[0, 0] <= 203
+    again = CrossRank(**d.state_dict())
+    row = np.full(4, 1.0)
+    assert np.array_equal(again.score(row), d.score(row)) and np.array_equal(again.rank_recent, d.rank_recent)
+
+
 # --- Stall ---------------------------------------------------------------------------------------
 
 

@@ -60,6 +60,10 @@ class CrossRank(Detector):
     one the others wait for, and with two ranks the evidence is its peer's wait growing, since its
     own did not change.
 
+    With ``persist > 1`` a rank's evidence at a step is the least of its last ``persist`` steps', so
+    a rank must stand out that many steps running: on a host that deschedules a random rank for a
+    step now and then (several ranks on few cores), such a step is as slow as a straggler's.
+
     Scoring 1,024 ranks costs two medians of 1,024 values per step; up to 64 ranks, one median
     per rank of the others.
 
@@ -91,19 +95,21 @@ class CrossRank(Detector):
         cusum_k: float = 0.0,
         cusum_h: float = 10.0,
         wait: bool = False,
+        persist: int = 1,
         steps: int = 0,
         spread: float = 0.0,
         rank_mean: Sequence[float] = (),
         rank_dev: Sequence[float] = (),
         rank_seen: Sequence[int] = (),
         rank_sum: Sequence[float] = (),
+        rank_recent: Sequence[Sequence[float]] = (),
     ):
         if warmup < 2 or not 0 < alpha < 1 or z_scale <= 0 or clip <= 0:
             raise ValueError("need warmup >= 2, 0 < alpha < 1, z_scale > 0, clip > 0")
         if min_rel < 0 or min_scale < 0 or not 0 < threshold < 1:
             raise ValueError("need min_rel >= 0, min_scale >= 0, 0 < threshold < 1")
-        if cusum_k < 0 or cusum_h <= 0:
-            raise ValueError("need cusum_k >= 0 (0: off) and cusum_h > 0")
+        if cusum_k < 0 or cusum_h <= 0 or persist < 1:
+            raise ValueError("need cusum_k >= 0 (0: off), cusum_h > 0 and persist >= 1")
         check_direction(direction)
         if not len(rank_mean) == len(rank_dev) == len(rank_seen) or len(rank_sum) not in (0, len(rank_seen)):
             raise ValueError("rank_mean, rank_dev, rank_seen (and rank_sum) need one entry per rank")
@@ -113,11 +119,14 @@ class CrossRank(Detector):
         if wait and direction != "down":
             raise ValueError('wait=true blames the rank that waits least: use direction = "down"')
         self.wait = bool(wait)
+        self.persist = int(persist)
         self.steps, self.spread = int(steps), float(spread)
         self.rank_mean = np.array(rank_mean, dtype=np.float64)
         self.rank_dev = np.array(rank_dev, dtype=np.float64)
         self.rank_seen = np.array(rank_seen, dtype=np.int64)
         self.rank_sum = np.array(rank_sum if len(rank_sum) else np.zeros(len(rank_seen)), dtype=np.float64)
+        # Each rank's evidence at the last ``persist - 1`` steps (rows oldest first).
+        self.rank_recent = np.array(rank_recent, dtype=np.float64).reshape(len(rank_recent), len(rank_seen))
 
     @staticmethod
     def _rows(values: np.ndarray) -> np.ndarray:
@@ -179,8 +188,21 @@ class CrossRank(Detector):
             return centre, np.abs(others[:, 0] - others[:, 1]) * _PAIR_TO_SIGMA
         return centre, median_rows(np.abs(others - centre[:, None])) / MAD_TO_SIGMA
 
+    def _persistent(self, magnitude: np.ndarray, commit: bool) -> np.ndarray:
+        """The evidence a rank has held for ``persist`` steps running: the least of its magnitudes
+        at this step and the ``persist - 1`` before. On a busy host a rank is descheduled for a step
+        at random, as slow then as a straggler; a straggler stays slow."""
+        if self.persist == 1:
+            return magnitude
+        recent = self.rank_recent
+        if recent.shape != (self.persist - 1, len(magnitude)):
+            recent = np.zeros((self.persist - 1, len(magnitude)))
+        if commit:
+            self.rank_recent = np.vstack([recent[1:], magnitude[None, :]])
+        return np.minimum(magnitude, recent.min(axis=0))
+
     def _score_row(self, row: np.ndarray, *, commit: bool = False) -> np.ndarray:
-        magnitude = self._magnitude_row(row)
+        magnitude = self._persistent(self._magnitude_row(row), commit)
         if not self.cusum_k:
             return z_score(magnitude, self.z_scale)
         before = self.rank_sum if len(self.rank_sum) == len(row) else np.zeros(len(row))
@@ -199,6 +221,7 @@ class CrossRank(Detector):
         if len(self.rank_mean) != n:  # a new world size: per-rank history starts over
             self.rank_mean, self.rank_dev, self.rank_sum = np.zeros(n), np.zeros(n), np.zeros(n)
             self.rank_seen = np.zeros(n, dtype=np.int64)
+            self.rank_recent = np.zeros((0, n))
 
     def _learn_row(self, row: np.ndarray, flagged: np.ndarray | None = None) -> None:
         # Flagged ranks are judged against the healthy past: a straggler that stays slow must not
@@ -254,10 +277,12 @@ class CrossRank(Detector):
             "cusum_k": self.cusum_k,
             "cusum_h": self.cusum_h,
             "wait": self.wait,
+            "persist": self.persist,
             "steps": self.steps,
             "spread": self.spread,
             "rank_mean": self.rank_mean.tolist(),
             "rank_dev": self.rank_dev.tolist(),
             "rank_seen": self.rank_seen.tolist(),
             "rank_sum": self.rank_sum.tolist(),
+            "rank_recent": self.rank_recent.tolist(),
         }
