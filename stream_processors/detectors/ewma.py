@@ -39,7 +39,7 @@ class EwmaResidual(Detector):
     one incident, not ``2/alpha`` flagged points). The sigma is floored at half the smallest step
     between two points seen (the reading's resolution), so a quantised gauge that flickers by one
     unit is not anomalous. As in ``spike``, a shift is news at its first point and an alarm that
-    recurs at a fixed spacing is held from its third time (``recurrence``). Non-finite points score 0 and are not learned.
+    recurs at a fixed spacing is held from its fourth time (``recurrence``). Non-finite points score 0 and are not learned.
 
     Suits loss, grad norm, throughput, step time ("up").
 

@@ -55,7 +55,7 @@ class RobustSpike(Detector):
     sawtooth or a daily cycle is expected, and a fault inside that rhythm still stands out. An
     alarm that recurs at the spacing of the two before it (a checkpoint every 500 steps, longer
     than any period looked for, or a second rhythm beside the first) is held under the threshold
-    from its third occurrence.
+    from its fourth occurrence.
 
     After ``rebase`` consecutive points more than 4 sigmas off on the same side, the level has
     changed: the history is moved to the new level (by the gap between the medians before and
