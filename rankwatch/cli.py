@@ -347,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("worker", cmd_worker, "Run one Faust worker; start several to share the partitions.")
     bootstrap(p)
-    p.add_argument("--loglevel", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--loglevel", default=os.environ.get("RANKWATCH_LOGLEVEL", "warning"),
+                   choices=["debug", "info", "warning", "error"], help="default: $RANKWATCH_LOGLEVEL or warning")
 
     p = add("alerts", cmd_alerts, f"Print alerts from {contract.ALERTS}.")
     bootstrap(p)
