@@ -127,3 +127,16 @@ def test_ewma_reports_a_sawtooth_reset_three_times_then_learns_the_rhythm():
     x = 2000.0 + 3.0 * (t % 700) + rng.normal(0, 2.0, 3000)
     d = build("ewma")
     assert np.flatnonzero(d.decide(d.update(x))).tolist() == [700, 1400, 2100]
+
+
+def test_a_burst_that_no_single_point_makes_rare_enough_is_reported_within_a_few_points():
+    # Ten points about 6 sigmas up with one dip among them: no point alone is one in a million,
+    # and the dip keeps ``rebase`` from confirming a new level; a few far points in a row are that
+    # rare (issue 18: bursts on counts were found at their eighth point or not at all).
+    rng = np.random.default_rng(10)
+    x = rng.normal(0.0, 1.0, 1500)
+    x[1300:1310] = 6.0 + rng.uniform(0.0, 0.5, 10)
+    x[1305] = 0.0
+    d = build("spike")
+    flagged = np.flatnonzero(d.decide(d.update(x)))
+    assert len(flagged) == 1 and 1301 <= flagged[0] <= 1304

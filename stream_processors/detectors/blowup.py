@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD
-from rankwatch.stream_processors.detectors.spike import RobustSpike
+from rankwatch.stream_processors.detectors.spike import PAIR_PRIOR, RobustSpike
 
 
 class Blowup(RobustSpike):
@@ -61,13 +61,14 @@ class Blowup(RobustSpike):
         held: bool = False,
         trending: bool = False,
         last_z: float = 0.0,
+        pairs: Sequence[float] = (0.0, 0.0, PAIR_PRIOR[0] / PAIR_PRIOR[1]),
     ):
         if min_factor <= 1 or floor <= 0:
             raise ValueError("need min_factor > 1 and floor > 0")
         super().__init__(
             window=window, warmup=warmup, threshold=threshold, direction="up", tail=tail, memory=memory,
             rebase=rebase, max_period=max_period, history=history, calib=calib, run=run, period=period, seen=seen,
-            marks=marks, last_alarm=last_alarm, held=held, last_z=last_z,
+            marks=marks, last_alarm=last_alarm, held=held, last_z=last_z, pairs=pairs,
         )
         self.min_factor, self.floor = min_factor, floor
         self._min_log_scale = math.log(min_factor) / 8.0  # a min_factor jump is z = 8 at least
@@ -108,4 +109,5 @@ class Blowup(RobustSpike):
             "held": self.held,
             "trending": self.trending,
             "last_z": self.last_z,
+            "pairs": list(self.pairs),
         }

@@ -208,7 +208,12 @@ class TailModel:
         return self._u
 
     def update_many(self, s: np.ndarray, threshold: float) -> np.ndarray:
-        """``update(v, threshold)`` for each ``v`` of ``s`` in order; returns the scores.
+        """``update(v, threshold)`` for each ``v`` of ``s`` in order; returns the scores."""
+        return self.update_probed(s, threshold, 0.0)[0]
+
+    def update_probed(self, s: np.ndarray, threshold: float, probe: float) -> tuple[np.ndarray, np.ndarray]:
+        """``update_many``, and the survival of ``probe`` under the model that scored each value
+        (what ``survival(probe)`` said just before the value was learned).
 
         Optimistic: every refit of the batch is fitted at once, assuming no value reaches the
         threshold (on clean data one in a million does). From the first block that holds one, the
@@ -216,6 +221,7 @@ class TailModel:
         """
         s = np.asarray(s, dtype=np.float64)
         scores = np.empty(len(s))
+        probed = np.empty(len(s))
         done = 0
         while done < len(s):
             rest = s[done:]
@@ -242,16 +248,18 @@ class TailModel:
             else:
                 params = tuple(np.concatenate([p, q]) for p, q in zip(self._fit_row, fits))
             got = 1.0 - survival_rows(rest, *(p[which] for p in params))
+            at = survival_rows(np.full(len(rest), probe), *(p[which] for p in params))
             hits = np.flatnonzero(got >= threshold)
             if not len(hits):
                 scores[done:] = got
+                probed[done:] = at
                 if rows:
                     self.counts = rows[-1]
                     self._set(fits, len(rows) - 1)
                     self.pending = learned[ends[-1] :].tolist()
                 else:
                     self.pending += learned.tolist()
-                return scores
+                return scores, probed
             # The first block that holds a hit: the blocks before it stand, and its scores too (they
             # were scored under the model before it); it is learned clipped, the rest taken again.
             block = int(which[hits[0]])
@@ -266,8 +274,9 @@ class TailModel:
             for v in clipped.tolist():
                 self.learn(v)
             scores[done : done + hi] = got[:hi]
+            probed[done : done + hi] = at[:hi]
             done += hi
-        return scores
+        return scores, probed
 
     def update(self, s: float, threshold: float) -> float:
         """Score ``s``, then learn it; beyond ``threshold`` it is learned only up to the threshold's

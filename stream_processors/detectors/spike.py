@@ -28,6 +28,10 @@ PRIOR_WEIGHT = 50.0
 SHIFT_Z = 4.0
 #: Learned points between two looks for a period.
 PERIOD_EVERY = 64
+#: Pseudo-counts (far points that followed a far point, far points) of P(far | far): 1 in 10.
+PAIR_PRIOR = (1.0, 10.0)
+#: Far points remembered for P(far | far); beyond, both counts are halved.
+PAIR_MEMORY = 200.0
 
 
 class RobustSpike(Detector):
@@ -106,6 +110,7 @@ class RobustSpike(Detector):
         held: bool = False,
         trending: bool = False,
         last_z: float = 0.0,
+        pairs: Sequence[float] = (0.0, 0.0, PAIR_PRIOR[0] / PAIR_PRIOR[1]),
     ):
         if window < 3 or not 2 <= warmup <= window:
             raise ValueError("need window >= 3 and 2 <= warmup <= window")
@@ -127,6 +132,9 @@ class RobustSpike(Detector):
         self.last_alarm, self.held = int(last_alarm), bool(held)
         self.trending = bool(trending)  # without a period: judged against the window's line
         self.last_z = float(last_z)  # the last learned point's z (``recurrence.continuations``)
+        # Far points seen, how many followed a far point, and P(far | far) for the run in progress
+        # (``_runs``).
+        self.pairs = [float(v) for v in pairs]
         counts, pending = calib if calib else (prior_counts(half_normal_sf, PRIOR_WEIGHT), [])
         self.calib = TailModel(counts, pending, memory=memory)
 
@@ -204,6 +212,44 @@ class RobustSpike(Detector):
     def learn(self, values: np.ndarray) -> None:
         self.update(values)
 
+    def _runs(self, z: np.ndarray, s: np.ndarray, far_sf: np.ndarray, carried: int, first: int) -> None:
+        """Score runs of far points by their joint rarity (in place).
+
+        The ``k``-th point in a row at least 4 sigmas off on the watched side scores at least
+        ``1 - P(far) * P(far | far) ** (k - 1)``: ``P(far)`` under the model that scored it, and
+        ``P(far | far)`` learned on this series from the far points seen and how many followed a far
+        point (``pairs``), started from 1 in 10 (far points of a series cluster: a busy host's slow
+        steps come in runs). A burst, or a new level a few sigmas out that no single point makes rare
+        enough, is reported within a few points, not only when ``rebase`` confirms it; a run that has
+        already raised an alarm raises no second one (``carried``: the run before ``z[0]``).
+        """
+        far = (directed(z, self.direction) >= SHIFT_Z) & np.isfinite(z)
+        if not far.any():
+            return
+        length, side = abs(carried), int(np.sign(carried))
+        alarmed = bool(carried and self.marks and self.last_alarm >= first - abs(carried))
+        seen_far, after_far, p_next = self.pairs
+        for i, zi in enumerate(z.tolist()):
+            if not far[i]:
+                length, side, alarmed = 0, 0, False
+                continue
+            here = 1 if zi > 0 else -1
+            follows = here == side and length > 0
+            length, side = (length + 1, side) if follows else (1, here)
+            if length == 1:
+                alarmed = False
+            if length == 1:
+                # What the series' past says, not this run (kept while the run lasts): a shift's
+                # own points would teach it that far points always follow far points.
+                p_next = (after_far + PAIR_PRIOR[0]) / (seen_far + PAIR_PRIOR[1])
+            if not alarmed and length >= 2:
+                s[i] = max(s[i], 1.0 - far_sf[i] * p_next ** (length - 1))
+            alarmed = alarmed or s[i] >= self.threshold
+            seen_far, after_far = seen_far + 1.0, after_far + float(follows)
+            if seen_far > PAIR_MEMORY:  # old runs fade
+                seen_far, after_far = seen_far / 2.0, after_far / 2.0
+        self.pairs = [seen_far, after_far, p_next]
+
     def _shift(self, z: np.ndarray) -> int | None:
         """Advance the count of consecutive far points on one side over the post-warm-up ``z``; the
         index of the point that confirms a level change (``rebase`` in a row), where the count stops,
@@ -249,11 +295,15 @@ class RobustSpike(Detector):
             # Warm-up points (the first ones, z NaN) score 0 and teach the tail model nothing.
             warm = max(first - start, 0)
             judged = continuations(z[warm:], self.last_z, SHIFT_Z)
+            carried = self.run
             shift = self._shift(z[warm:])
             upto = len(z) if shift is None else warm + shift + 1
             # The tail model scores each point, then learns it (beyond the threshold only up to
             # the threshold's quantile): a deviation that recurs becomes normal, one fault does not.
-            s = self.calib.update_many(directed(judged[: upto - warm], self.direction), self.threshold)
+            s, far_sf = self.calib.update_probed(
+                directed(judged[: upto - warm], self.direction), self.threshold, SHIFT_Z
+            )
+            self._runs(z[warm:upto], s, far_sf, carried, self.seen + warm)
             rebased = None
             if shift is not None:
                 # A level change is confirmed: ``rebase`` points in a row, each as rare as a
@@ -320,4 +370,5 @@ class RobustSpike(Detector):
             "held": self.held,
             "trending": self.trending,
             "last_z": self.last_z,
+            "pairs": list(self.pairs),
         }
