@@ -108,9 +108,9 @@ class _Track:
     """One cross-rank metric of one run.
 
     Rows still waiting for ranks are not stored: they hold up to ``row_wait_s`` of steps of every
-    rank, which at thousands of ranks is most of the watch, rewritten at every batch. A worker that takes the run over
-    scores those steps with the ranks it hears from then on (a rank already applied counts as
-    missing, which ``crossrank`` skips); learned baselines, conditions and cursors carry over.
+    rank, which at thousands of ranks is most of the watch, rewritten at every batch. A worker that
+    takes the run over scores those steps with the ranks it hears from then on (a rank already
+    applied counts as missing, which ``crossrank`` skips); baselines, conditions and cursors carry over.
     """
 
     rule: Rule
@@ -192,13 +192,13 @@ class RunWatch:
         def back(age: float | None) -> float:
             return -math.inf if age is None else clock - age
 
-        kept = {}
+        tracks = {}
         for metric, track in d["tracks"].items():
             rule = rules.cross_rank_rule(metric)
             if rule is not None:
-                kept[metric] = _Track.from_dict(track, rule)
+                tracks[metric] = _Track.from_dict(track, rule)
         return cls(
-            run=d["run"], world_size=d["world_size"], partition=d["partition"], tracks=kept,
+            run=d["run"], world_size=d["world_size"], partition=d["partition"], tracks=tracks,
             stall=None if d["stall"] is None or rules.stall is None else Stall.from_state(d["stall"]),
             stall_conditions={None if r == "run" else int(r): Condition(**c) for r, c in d["stall_conditions"].items()},
             last_step={int(r): s for r, s in d["last_step"].items()},

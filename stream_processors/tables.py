@@ -1,4 +1,4 @@
-"""The app's Table class: Faust's, with three changes that keep a worker's state writes working.
+"""The app's Table class: Faust's, with four changes that keep a worker's state writes working.
 
 1. **Apache Kafka's metadata.** A table created with ``use_partitioner=True`` sends each changelog
    record with eager partitioning: Faust asks the aiokafka producer for the key's partition
@@ -61,7 +61,7 @@ STATE_CODEC = "rankwatch-state"
 # Kafka's default message.max.bytes is about the same: leave room for the key and the batch header.
 MAX_RECORD_BYTES = 1_000_000
 PIECE_BYTES = 900_000  # of an encoded value, per part record (leaves room for its wrapper)
-PART_SEP = b"\x00"  # in no run id or telemetry key (the contract refuses control characters)
+PART_SEP = b"\x00"  # in no run id or telemetry key: the contract refuses NUL in any string
 _PIECES = "__pieces__"
 
 
