@@ -146,7 +146,7 @@ def test_a_restarted_worker_judges_stragglers_with_what_the_run_learned_before(o
 
 
 def test_a_rank_state_over_a_records_limit_is_stored_in_pieces_and_read_back_after_a_crash(own_stack, run_id):
-    """A rank logging 2,000 metrics has ~2.6 MB of state, over the 1 MiB Kafka takes in a record;
+    """A rank logging 2,000 metrics has 2.6-3.6 MB of state, over the 1 MiB Kafka takes in a record;
     writing it once stopped the whole worker. It is stored in pieces on the key's partition, and a
     restarted worker reads them back: it knows seq 0 as applied, and drops a message that claims it."""
     bootstrap = own_stack.bootstrap
@@ -162,7 +162,7 @@ def test_a_rank_state_over_a_records_limit_is_stored_in_pieces_and_read_back_aft
     partition, index = _changelog(bootstrap, changelog, {key})[key]
     count = msgpack.unpackb(index)["__pieces__"]
     pieces = _changelog(bootstrap, changelog, {key + b"\0#%d" % i for i in range(count)})
-    assert count >= 3 and len(pieces) == count, pieces.keys()  # each under 1 MB
+    assert count >= 3 and len(pieces) == count, pieces.keys()
     assert {p for p, _ in pieces.values()} == {partition}  # recovered with the key
     assert _committed(bootstrap, own_stack.settings.app_id, contract.TELEMETRY), "telemetry never committed"
     for worker in own_stack.workers:
