@@ -88,7 +88,7 @@ class StateCodec(codecs.Codec):
     """msgpack of the value's ``__json__()``; reads JSON too (``{`` starts no msgpack map)."""
 
     def _dumps(self, obj) -> bytes:
-        return msgpack.packb(_plain(obj) if hasattr(obj, "__json__") else obj, default=_plain)
+        return msgpack.packb(obj, default=_plain)  # msgpack asks ``_plain`` for what it cannot pack
 
     def _loads(self, s: bytes):
         if s[:1] == b"{":
