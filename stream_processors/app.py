@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import faust
 
@@ -10,7 +12,22 @@ from rankwatch.settings import Settings
 from rankwatch.stream_processors.runwatch import OutageClock
 
 
-def make_app(settings: Settings, *, flavor: str, partitions: int, outages: OutageClock | None = None) -> faust.App:
+class App(faust.App):
+    """Faust's app with one hook: ``before_ack_wait`` runs before Faust waits for every event taken
+    to be acknowledged (a rebalance handing partitions over, a stop). A flow that holds acks on
+    purpose (``state_writes``) releases them there; Faust would otherwise wait for them for good."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.before_ack_wait: list[Callable[[], None]] = []
+
+    async def _consumer_wait_empty(self, consumer: Any, logger: Any) -> None:
+        for release in self.before_ack_wait:
+            release()
+        await super()._consumer_wait_empty(consumer, logger)
+
+
+def make_app(settings: Settings, *, flavor: str, partitions: int, outages: OutageClock | None = None) -> App:
     """A Faust app for ``settings``; ``flavor`` is the resolved broker kind ("kafka" or "tansu").
 
     ``partitions`` must equal the telemetry topic's partition count: Faust co-partitions the state
@@ -34,7 +51,7 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
                      broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 3))
     datadir = Path(settings.data_dir) / "faust"
     datadir.parent.mkdir(parents=True, exist_ok=True)
-    app = faust.App(
+    app = App(
         settings.app_id,
         broker=[f"{scheme}://{server}" for server in settings.bootstrap.split(",")],
         store="memory://",

@@ -15,6 +15,7 @@ from rankwatch.stream_processors.grouping import Grouper, RunGroups
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher, WatchStateError, tick_mark
+from rankwatch.stream_processors.state_writes import StateWrites
 from rankwatch.stream_processors.tables import is_part
 from rankwatch.stream_processors.topics import dead_letterer, decoded, encoded, raw_topic, send_all
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 # when TAKE_MAX messages are waiting, so it adds at most TAKE_WITHIN_S to an alert's latency.
 TAKE_MAX = 1000
 TAKE_WITHIN_S = 0.02
+# A rank's state goes to its changelog at most this often, not per batch (``state_writes``).
+STATE_EVERY_S = 5.0
 
 
 async def _each(items):
@@ -72,9 +75,20 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
 
     dead_letter = dead_letterer(app)
 
+    unwritten = StateWrites(rank_state, STATE_EVERY_S)
+
+    def write_states(*, now_anyway: bool = False) -> None:
+        # A rebalance or a stop waits for every ack (Faust's ``wait_empty``) before it hands
+        # partitions over or commits: then nothing waits for the interval.
+        now = time.monotonic()
+        if unwritten.due(now, now_anyway=now_anyway or app.rebalancing or app.should_stop):
+            unwritten.write(now)
+
+    app.before_ack_wait.append(lambda: write_states(now_anyway=True))
+
     @app.agent(telemetry, name="telemetry")
     async def process_telemetry(stream):
-        async for events in stream.take_events(TAKE_MAX, within=TAKE_WITHIN_S):
+        async for events in stream.noack_take(TAKE_MAX, within=TAKE_WITHIN_S):
             good = [(e, b) async for e, b in decoded(_each(events), TelemetryBatch.from_bytes, dead_letter, "telemetry")]
             out = process_batch(processor, [b for _, b in good], lambda key: rank_state.get(key.encode()), time.time())
             for index, exc in out.failed:  # a bug must not stop the worker; the message is kept
@@ -83,8 +97,12 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                           event.message.offset, exc_info=exc)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
             await send_all(out_topics, out.messages)
-            for key, state in out.states.items():  # once per rank per batch, after its output is in
-                rank_state[key.encode()] = state
+            unwritten.add(events, out.states)  # after their output is in, as every state write
+            write_states()
+
+    @app.timer(interval=0.5)
+    async def write_rank_states():  # a quiet stream must not hold its acks
+        write_states()
 
     async def publish(alerts_due) -> None:
         await send_all(out_topics, encoded(*alerts_due))

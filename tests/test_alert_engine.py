@@ -118,6 +118,27 @@ def _committed(bootstrap: str, group: str, topic: str, timeout_s: float = 30.0) 
         consumer.close()
 
 
+def test_a_worker_stopped_cleanly_writes_every_rank_state_and_commits_every_message(own_stack, run_id):
+    """A rank's state is written every few seconds and the messages it records are acknowledged only
+    then; a clean stop (SIGTERM) must write what is pending, or a restart replays it and repeats alerts."""
+    bootstrap, app_id = own_stack.bootstrap, own_stack.settings.app_id
+    first = _batch(run_id, 0, 0, "a", [1.0, float("nan")], world=1)
+    _send(bootstrap, first)
+    assert consume_json(bootstrap, contract.ALERTS, _is(run_id, "a"))  # applied, its state written at once
+    # Within the write interval of the first: applied, its state and ack held until the next write.
+    _send(bootstrap, _batch(run_id, 0, 1, "b", [1.0, float("nan")], world=1, first_step=2))
+    assert consume_json(bootstrap, contract.ALERTS, _is(run_id, "b"))
+    for worker in own_stack.workers:
+        worker.stop()
+    try:
+        assert all(w.proc.returncode == 0 for w in own_stack.workers), [list(w.tail)[-30:] for w in own_stack.workers]
+        stored = _changelog(bootstrap, f"{app_id}-rank-state-changelog", {first.key})
+        assert msgpack.unpackb(stored[first.key][1], strict_map_key=False)["seq"] == 1, "the last state was not written"
+        assert _committed(bootstrap, app_id, contract.TELEMETRY, timeout_s=2), "a stopped worker left messages to replay"
+    finally:
+        own_stack.start_workers()
+
+
 def test_a_restarted_worker_judges_stragglers_with_what_the_run_learned_before(own_stack, run_id):
     """The run's cross-rank state is stored and read back after a crash: five straggling steps are
     too few for a fresh detector (it warms up on ten), so the alert proves the baselines came back."""

@@ -23,16 +23,16 @@ STOP_WITHIN_S = 10.0
 _CRASHING = """
 import sys
 import faust.streams
-events, take_events = faust.streams.Stream.events, faust.streams.Stream.take_events
+events, noack_take = faust.streams.Stream.events, faust.streams.Stream.noack_take
 async def crashing(self):
     async for event in events(self):
         raise RuntimeError("an agent crash, for the test")
         yield event
 async def crashing_take(self, *args, **kwargs):  # stage 1 takes its events in batches
-    async for batch in take_events(self, *args, **kwargs):
+    async for batch in noack_take(self, *args, **kwargs):
         raise RuntimeError("an agent crash, for the test")
         yield batch
-faust.streams.Stream.events, faust.streams.Stream.take_events = crashing, crashing_take
+faust.streams.Stream.events, faust.streams.Stream.noack_take = crashing, crashing_take
 from rankwatch.cli import main
 sys.exit(main(["worker", "--bootstrap", sys.argv[1]]))
 """

@@ -1,0 +1,54 @@
+"""Rank state written to its changelog on a schedule, with the acks of what it applied held until then.
+
+A rank's state (its detectors' histories, conditions and open rollup windows) is tens of KB. Written
+once per batch, at 1 Hz that is once per message: a quarter of a worker's time in encoding, and at
+1,024 ranks about 80 MB/s of changelog, which the embedded broker keeps in memory for good (issue 16).
+Written every few seconds instead, each rank's latest state goes out once.
+
+What makes that safe is the order: an applied message is acknowledged only after the state that
+records it has been handed to the table. The committed offset therefore never passes the written
+state; a worker that dies in between is replayed from the commit onto the last written state, whose
+dedup cursor (``RankState.seq``) skips what that state already holds. Outputs were sent before
+(``topics.send_all``), so a replay can repeat them, never lose them: at least once, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import faust
+
+
+class StateWrites:
+    """Pending table writes and the events whose acks wait for them."""
+
+    def __init__(self, table: faust.Table, every_s: float):
+        self.table, self.every_s = table, every_s
+        self._states: dict[bytes, Any] = {}
+        self._events: list[faust.EventT] = []
+        self._last = float("-inf")
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def add(self, events: Sequence[faust.EventT], states: Mapping[str, Any]) -> None:
+        """``events`` were applied, giving ``states`` (by key); both wait for the next ``write``."""
+        for key, state in states.items():
+            self._states[key.encode()] = state  # the latest wins: it holds everything before it
+        self._events += events
+
+    def due(self, now: float, *, now_anyway: bool = False) -> bool:
+        return bool(self._events) and (now_anyway or now - self._last >= self.every_s)
+
+    def write(self, now: float) -> None:
+        """Hand every pending state to the table, then acknowledge the events they record.
+
+        Synchronous, so that nothing interleaves, and so that it can run wherever Faust gives a hook.
+        ``Event.ack`` is what ``Stream.ack`` does besides telling the monitor's counters.
+        """
+        for key, state in self._states.items():
+            self.table[key] = state
+        for event in self._events:
+            event.ack()
+        self._states, self._events, self._last = {}, [], now
