@@ -65,12 +65,15 @@ def decode_series(raw_series: dict) -> dict[str, Series]:
     return series
 
 
+_PLAIN_NUMBERS = frozenset({float, int})
+
+
 def _decode_values(values: list) -> np.ndarray:
     # Nearly every series is plain numbers: one conversion in C instead of a Python call per value
     # (issue 16). Bools and strings ("NaN", "Infinity") take the checked path, and so does anything
     # the fast one turns non-finite (a literal like 1e400, an integer too large for a float), to be
     # read or refused exactly as before.
-    if all(type(v) is float or type(v) is int for v in values):
+    if _PLAIN_NUMBERS.issuperset(map(type, values)):
         try:
             array = np.array(values, dtype=np.float64)
         except OverflowError:
