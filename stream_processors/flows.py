@@ -90,14 +90,14 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     async def process_telemetry(stream):
         async for events in stream.noack_take(TAKE_MAX, within=TAKE_WITHIN_S):
             good = [(e, b) async for e, b in decoded(_each(events), TelemetryBatch.from_bytes, dead_letter, "telemetry")]
-            out = process_batch(processor, [b for _, b in good], lambda key: rank_state.get(key.encode()), time.time())
+            out = process_batch(processor, [b for _, b in good], lambda key: unwritten.get(key.encode()), time.time())
             for index, exc in out.failed:  # a bug must not stop the worker; the message is kept
                 event = good[index][0]
                 log.error("processing %s[%d]@%d failed", event.message.topic, event.message.partition,
                           event.message.offset, exc_info=exc)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
             await send_all(out_topics, out.messages)
-            unwritten.add(events, out.states)  # after their output is in, as every state write
+            unwritten.add(events, {key.encode(): state for key, state in out.states.items()})  # after the output
             write_states()
 
     @app.timer(interval=0.5)

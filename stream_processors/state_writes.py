@@ -21,21 +21,28 @@ import faust
 
 
 class StateWrites:
-    """Pending table writes and the events whose acks wait for them."""
+    """A table's writes held back and sent together, with the events whose acks wait for them.
+
+    Read through it (``get``): a state not written yet is the newest one, and a key whose first
+    state is still held is not in the table at all.
+    """
 
     def __init__(self, table: faust.Table, every_s: float):
         self.table, self.every_s = table, every_s
-        self._states: dict[bytes, Any] = {}
+        self._states: dict[Any, Any] = {}
         self._events: list[faust.EventT] = []
         self._last = float("-inf")
 
     def __len__(self) -> int:
         return len(self._events)
 
-    def add(self, events: Sequence[faust.EventT], states: Mapping[str, Any]) -> None:
-        """``events`` were applied, giving ``states`` (by key); both wait for the next ``write``."""
-        for key, state in states.items():
-            self._states[key.encode()] = state  # the latest wins: it holds everything before it
+    def get(self, key: Any) -> Any:
+        found = self._states.get(key)
+        return found if found is not None else self.table.get(key)
+
+    def add(self, events: Sequence[faust.EventT], states: Mapping[Any, Any]) -> None:
+        """``events`` were applied, giving ``states`` (by table key); both wait for the next ``write``."""
+        self._states.update(states)  # the latest state of a key holds everything before it
         self._events += events
 
     def due(self, now: float, *, now_anyway: bool = False) -> bool:
