@@ -55,8 +55,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     watcher = RunWatcher(rules=rules, outages=outages)  # the worker stops this clock while the broker is away
     # Per run: cross-rank rows and stall clocks, keyed and partitioned like run-state, so the worker
     # that gets a run's partition next (a rebalance, a crash) recovers them from the changelog instead
-    # of starting blank (issue 16). Written once per run event or tick that changes it; a run event
-    # from stage 1 is one ProgressBatch per run per telemetry batch, so this is per batch, not per message.
+    # of starting blank (issue 16). Written through ``watches``, like rank state.
     run_watch = app.Table("run-watch", default=None, key_type=bytes, use_partitioner=True)
 
     def load_watch(raw, run: str, partition: int) -> RunWatch:
@@ -76,13 +75,15 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     dead_letter = dead_letterer(app)
 
     unwritten = StateWrites(rank_state, STATE_EVERY_S)
+    watches = StateWrites(run_watch, STATE_EVERY_S)  # 169 KB a run at 1,024 ranks, changed by every run event
 
     def write_states(*, now_anyway: bool = False) -> None:
         # A rebalance or a stop waits for every ack (Faust's ``wait_empty``) before it hands
         # partitions over or commits: then nothing waits for the interval.
         now = time.monotonic()
-        if unwritten.due(now, now_anyway=now_anyway or app.rebalancing or app.should_stop):
-            unwritten.write(now)
+        for writes in (unwritten, watches):
+            if writes.due(now, now_anyway=now_anyway or app.rebalancing or app.should_stop):
+                writes.write(now)
 
     app.before_ack_wait.append(lambda: write_states(now_anyway=True))
 
@@ -116,7 +117,14 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
 
     @app.agent(run_events, name="run-events")
     async def group_signals(stream):
-        async for event, item in decoded(stream.events(), decode_run_event, dead_letter, "run event"):
+        async for event in stream.noack().events():  # acked once the run's watch is written
+            changed = await group_signal(event)
+            watches.add([event], changed)
+            write_states()
+
+    async def group_signal(event) -> dict:
+        """Group one run event; the run's watch, if it changed, to write."""
+        async for event, item in decoded(_each([event]), decode_run_event, dead_letter, "run event"):
             watch = None
             try:
                 state, now = run_groups(item.key), time.time()
@@ -124,7 +132,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                     due = grouper.add(state, item, now)
                 else:
                     due = []
-                    watch = load_watch(run_watch.get(item.key), item.run, event.message.partition)
+                    watch = load_watch(watches.get(item.key), item.run, event.message.partition)
                     for p in item.items if isinstance(item, ProgressBatch) else (item,):
                         due += grouper.progress(state, p.rank, p.last_step, p.world_size, now)
                         for alert in watcher.observe(watch, p, now):
@@ -134,16 +142,16 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                 log.exception("grouping run event %s[%d]@%d failed", event.message.topic, event.message.partition,
                               event.message.offset)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
-                continue
+                return {}
             await send_all(out_topics, messages)
             if due or isinstance(item, RankSignal):
                 # After the alerts are in: a worker killed in between sends them again on replay
                 # (at least once), never loses them.
                 run_state[item.key] = state
-            if watch is not None:  # after its alerts are in, like run_state
-                run_watch[item.key] = watch
             if state.waiting():
                 waiting.add(item.key)
+            return {} if watch is None else {item.key: watch}  # written after its alerts are in, like run_state
+        return {}  # dead-lettered
 
     @app.timer(interval=max(0.01, min(grouper.group_wait_s / 2, 0.05)))
     async def flush_waiting_groups():
@@ -163,10 +171,10 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             return  # ownership is moving: each run's next owner ticks it
         owned = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == contract.RUN_EVENTS}
         now = time.time()
-        for key in list(run_watch.keys()):
+        for key in watches.keys():
             if is_part(key):
                 continue  # a piece of a large watch, recovered from the changelog: read with its run
-            raw = run_watch.get(key)
+            raw = watches.get(key)
             partition = raw.partition if isinstance(raw, RunWatch) else (raw or {}).get("partition")
             if partition not in owned:
                 continue  # a standby copy, or a run another worker owns now: its owner ticks it
@@ -182,7 +190,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                 if state.waiting():
                     waiting.add(key)
             if alerts or watch is not raw or tick_mark(watch) != before:
-                run_watch[key] = watch  # after its alerts are in
+                watches.add([], {key: watch})  # after its alerts are in
             if run_groups(key).waiting():  # a group recovered mid-wait: its run may send nothing more
                 waiting.add(key)
 

@@ -40,13 +40,17 @@ class StateWrites:
         found = self._states.get(key)
         return found if found is not None else self.table.get(key)
 
+    def keys(self) -> list:
+        """The table's keys and those whose first state is not written yet."""
+        return [*self.table.keys(), *(key for key in self._states if key not in self.table)]
+
     def add(self, events: Sequence[faust.EventT], states: Mapping[Any, Any]) -> None:
         """``events`` were applied, giving ``states`` (by table key); both wait for the next ``write``."""
         self._states.update(states)  # the latest state of a key holds everything before it
         self._events += events
 
     def due(self, now: float, *, now_anyway: bool = False) -> bool:
-        return bool(self._events) and (now_anyway or now - self._last >= self.every_s)
+        return bool(self._events or self._states) and (now_anyway or now - self._last >= self.every_s)
 
     def write(self, now: float) -> None:
         """Hand every pending state to the table, then acknowledge the events they record.
