@@ -40,6 +40,10 @@ class Settings:
     session_timeout_s: float = 0.0
     #: Rollup window length in training steps.
     rollup_steps: int = 50
+    #: Seconds a rank or a run may go without new telemetry before workers drop its state (a finished
+    #: run, a rank that left): memory stays bounded on a monitor that outlives many jobs. A rank that
+    #: comes back later starts afresh (its detectors warm up again). 0 keeps state for good.
+    state_ttl_s: float = 3600.0
     #: Where workers keep local state (Faust's data dir).
     data_dir: str = ".rankwatch"
     #: The report store: empty means SQLite at ``<data_dir>/store.db``; ``postgresql://…`` uses PostgreSQL.
@@ -91,6 +95,8 @@ class Settings:
             raise ValueError(f"telemetry_format must be one of {TELEMETRY_FORMATS}, got {self.telemetry_format!r}")
         if self.partitions < 1 or self.rollup_steps < 1 or self.replication_factor < 1:
             raise ValueError("partitions, replication_factor and rollup_steps must be >= 1")
+        if self.state_ttl_s < 0:
+            raise ValueError("state_ttl_s must be >= 0 (0: state is kept for good)")
         if self.session_timeout_s < 0:
             raise ValueError("session_timeout_s must be >= 0 (0: the client's default)")
         self.security  # noqa: B018 - checked (and a password file read) here, not at the first client

@@ -165,18 +165,21 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             if not state.waiting():
                 waiting.discard(key)
 
+    def owned(topic: str) -> set[int]:
+        return {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == topic}
+
     @app.timer(interval=1.0)
     async def check_run_watches():
         if app.rebalancing:
             return  # ownership is moving: each run's next owner ticks it
-        owned = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == contract.RUN_EVENTS}
+        runs = owned(contract.RUN_EVENTS)
         now = time.time()
         for key in watches.keys():
             if is_part(key):
                 continue  # a piece of a large watch, recovered from the changelog: read with its run
             raw = watches.get(key)
             partition = raw.partition if isinstance(raw, RunWatch) else (raw or {}).get("partition")
-            if partition not in owned:
+            if partition not in runs:
                 continue  # a standby copy, or a run another worker owns now: its owner ticks it
             watch = load_watch(raw, raw.get("run", "") if isinstance(raw, dict) else key.decode(), partition)
             before = tick_mark(watch)
@@ -193,6 +196,19 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                 watches.add([], {key: watch})  # after its alerts are in
             if run_groups(key).waiting():  # a group recovered mid-wait: its run may send nothing more
                 waiting.add(key)
+
+    if settings.state_ttl_s:
+        @app.timer(interval=min(60.0, settings.state_ttl_s / 4))
+        async def expire_silent_state():
+            if app.rebalancing:
+                return  # ownership is moving: each key's next owner counts its silence
+            now, ttl = time.monotonic(), settings.state_ttl_s
+            ranks, runs = owned(contract.TELEMETRY), owned(contract.RUN_EVENTS)
+            unwritten.expire(now, ttl, lambda key: rank_state.partition_of(key) in ranks)
+            for key in watches.expire(now, ttl, lambda key: run_watch.partition_of(key) in runs):
+                waiting.discard(key)
+                if key in run_state:  # the run's groups and pages go with its watch
+                    del run_state[key]
 
     @app.on_partitions_revoked.connect
     async def forget_waiting(sender, revoked, **kwargs):

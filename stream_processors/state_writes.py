@@ -14,10 +14,12 @@ dedup cursor (``RankState.seq``) skips what that state already holds. Outputs we
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import faust
+
+from rankwatch.stream_processors.tables import is_part
 
 
 class StateWrites:
@@ -32,6 +34,8 @@ class StateWrites:
         self._states: dict[Any, Any] = {}
         self._events: list[faust.EventT] = []
         self._last = float("-inf")
+        self._touched: set = set()  # keys given a state since the last ``expire``
+        self._seen: dict[Any, float] = {}  # key -> when ``expire`` last saw it change (or first saw it)
 
     def __len__(self) -> int:
         return len(self._events)
@@ -47,6 +51,7 @@ class StateWrites:
     def add(self, events: Sequence[faust.EventT], states: Mapping[Any, Any]) -> None:
         """``events`` were applied, giving ``states`` (by table key); both wait for the next ``write``."""
         self._states.update(states)  # the latest state of a key holds everything before it
+        self._touched.update(states)
         self._events += events
 
     def due(self, now: float, *, now_anyway: bool = False) -> bool:
@@ -63,3 +68,28 @@ class StateWrites:
         for event in self._events:
             event.ack()
         self._states, self._events, self._last = {}, [], now
+
+    def expire(self, now: float, ttl_s: float, owned: Callable[[Any], bool]) -> list:
+        """Delete the state of every key this worker ``owned`` that no state change reached for
+        ``ttl_s`` (a finished run, a rank that left); return those keys.
+
+        Silence is counted from when this worker last gave the key a state, or first saw it in the
+        table (recovered from the changelog), so a key moved between workers gets its full time.
+        """
+        for key in self._touched:
+            self._seen[key] = now
+        self._touched.clear()
+        expired = []
+        for key in self.keys():
+            if is_part(key):
+                continue  # a piece of a value written in pieces: deleted with its key
+            if not owned(key):
+                self._seen.pop(key, None)  # another worker's now: it counts the silence
+            elif now - self._seen.setdefault(key, now) >= ttl_s:
+                expired.append(key)
+        for key in expired:
+            del self._seen[key]
+            self._states.pop(key, None)
+            if key in self.table:
+                del self.table[key]  # a tombstone on the changelog: the next owner does not read it back
+        return expired

@@ -26,6 +26,7 @@
    before ``PART_SEP``, so the worker that recovers a key recovers its pieces. Pieces and their
    index carry one nonce: a worker killed between writing the pieces and the index leaves the older
    index, whose pieces no longer match, and that state starts over (logged) instead of being misread.
+   Pieces a later value or a delete no longer needs get tombstones, so an expired state leaves none.
    ``keys()`` lists part keys too (``is_part``).
 
 4. **Recovery never takes a worker's own state back in time.** On a rebalance Faust revokes every
@@ -111,6 +112,7 @@ class Table(faust.Table):
         # Before the store and the changelog topic, which are made on first use, take it from here.
         self.value_serializer = STATE_CODEC
         self._held: defaultdict[int, set] = defaultdict(set)  # partition -> keys written while holding it
+        self._pieces: dict[bytes, int] = {}  # key -> how many pieces its last known value was written in
 
     async def on_start(self) -> None:
         await super().on_start()  # declares (creates) the changelog topic
@@ -119,14 +121,21 @@ class Table(faust.Table):
 
     def send_changelog(self, partition, key, value, key_serializer=None, value_serializer=None):
         if partition is None and is_part(key):  # with the key it is a part of
-            partition = self._key_partition(key.partition(PART_SEP)[0])
+            partition = self.partition_of(key.partition(PART_SEP)[0])
+        before = self._pieces.pop(key, 0) if isinstance(key, bytes) else 0
+        if value is None and not before:  # a delete of a value recovered in pieces, never read
+            stored = self.data.get(key)
+            before = stored[_PIECES] if isinstance(stored, dict) and _PIECES in stored else 0
         if value is not None:
             value = self.app.serializers.dumps_value(
                 self.value_type, value, serializer=value_serializer or self.value_serializer)
             if len(value) > MAX_RECORD_BYTES and isinstance(key, bytes):
                 if partition is None:  # the partition eager partitioning would give the key
-                    partition = self._key_partition(key)
+                    partition = self.partition_of(key)
                 value = self._send_pieces(partition, key, value)
+        for i in range(self._pieces.get(key, 0), before):  # pieces the new value (or a delete) leaves over
+            self.data.pop(_piece_key(key, i), None)
+            self.send_changelog(None, _piece_key(key, i), None)
         sent = super().send_changelog(partition, key, value, key_serializer, "raw")
         self._held[sent.message.partition].add(key)  # eager partitioning has set it
         return sent
@@ -145,7 +154,8 @@ class Table(faust.Table):
             batch = [e for e in batch if (e.key.partition(PART_SEP)[0] if is_part(e.key) else e.key) not in held]
         super().apply_changelog_batch(batch)
 
-    def _key_partition(self, key: bytes) -> int:
+    def partition_of(self, key: bytes) -> int:
+        """The changelog partition of ``key``: the partition of its stream, which the table shares."""
         return self.app.producer.key_partition(self.changelog_topic.get_topic_name(), key).partition
 
     def _send_pieces(self, partition: int, key: bytes, data: bytes) -> bytes:
@@ -155,11 +165,13 @@ class Table(faust.Table):
         for i in range(count):
             piece = msgpack.packb({"of": nonce, "data": data[i * PIECE_BYTES : (i + 1) * PIECE_BYTES]})
             super().send_changelog(partition, _piece_key(key, i), piece, None, "raw")
+        self._pieces[key] = count
         return msgpack.packb({_PIECES: count, "of": nonce})
 
     def __getitem__(self, key):
         value = super().__getitem__(key)
         if isinstance(value, dict) and _PIECES in value:  # recovered from the changelog in pieces
+            self._pieces[key] = value[_PIECES]
             value = self.data[key] = self._join(key, value)
         return value
 

@@ -9,10 +9,13 @@ import time
 import numpy as np
 import pytest
 from conftest import consume_json
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer
 
 from rankwatch import contract
+from rankwatch.broker import free_port
 from rankwatch.contract import Series, TelemetryBatch
+from rankwatch.settings import Settings
+from rankwatch.stack import Stack
 from rankwatch.stream_processors.state_writes import StateWrites
 
 
@@ -74,6 +77,25 @@ def test_a_batch_of_dead_letters_is_acknowledged_with_no_state_to_write():
     assert log == [("ack", "bad")]
 
 
+def test_state_expires_after_its_ttl_of_silence_only_on_the_worker_that_owns_it():
+    log = _Log()
+    table = _Table(log)
+    writes = StateWrites(table, every_s=5.0)
+    dict.update(table, {b"recovered": "s", b"elsewhere": "s"})  # read back from the changelog at start
+    writes.add([], {b"busy": "s0", b"quiet": "s0"})
+    writes.write(now=0.0)
+    mine = lambda key: key != b"elsewhere"  # noqa: E731
+    assert writes.expire(0.0, 10.0, mine) == []  # silence counts from here, for the recovered key too
+    writes.add([], {b"busy": "s1"})
+    assert writes.expire(9.0, 10.0, mine) == []
+    assert sorted(writes.expire(10.0, 10.0, mine)) == [b"quiet", b"recovered"]
+    assert set(table) == {b"busy", b"elsewhere"}  # another worker's key is its to expire
+    assert writes.expire(19.0, 10.0, mine) == [b"busy"]
+    assert writes.expire(100.0, 10.0, lambda key: True) == []  # owned from now on: its silence counts from now
+    assert writes.expire(110.0, 10.0, lambda key: True) == [b"elsewhere"]
+    assert not table
+
+
 @pytest.mark.broker
 def test_a_rank_whose_first_state_is_not_written_yet_keeps_it_across_batches(bootstrap, run_id):
     """Between writes, a new rank's state exists only in the pending writes: a worker that read the
@@ -96,3 +118,53 @@ def test_a_rank_whose_first_state_is_not_written_yet_keeps_it_across_batches(boo
     [rollup] = consume_json(bootstrap, contract.REPORTS, lambda r: r.get("kind") == "rollup" and r["run"] == run_id
                             and r["rank"] == 1 and r["start_step"] == 0)
     assert rollup["count"] == 10, rollup
+
+
+@pytest.fixture(scope="module")
+def forgetful_stack(tmp_path_factory):
+    # A TTL over the write interval (flows.STATE_EVERY_S), so the state is written before it expires.
+    settings = Settings(data_dir=str(tmp_path_factory.mktemp("ttl")), app_id="rankwatch-ttl-test", state_ttl_s=6.0)
+    with Stack(settings, embedded=True, port=free_port()) as stack:
+        yield stack
+
+
+def _latest(bootstrap: str, topic: str, keys: set[bytes], until, timeout_s: float = 30.0) -> dict[bytes, bytes | None]:
+    """The newest value of each of ``keys`` on ``topic`` (None: a tombstone), once ``until`` holds for them."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50,
+                             auto_offset_reset="earliest")
+    latest: dict[bytes, bytes | None] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        consumer.subscribe([topic])
+        while time.monotonic() < deadline and not (keys <= latest.keys() and until(latest)):
+            for records in consumer.poll(timeout_ms=200).values():
+                latest.update({r.key: r.value for r in records if r.key in keys})
+    finally:
+        consumer.close()
+    return latest
+
+
+@pytest.mark.broker
+def test_a_silent_rank_and_run_lose_their_state_after_the_ttl_and_a_rank_that_returns_starts_afresh(
+        forgetful_stack, run_id):
+    bootstrap, app_id = forgetful_stack.bootstrap, forgetful_stack.settings.app_id
+    nan = TelemetryBatch(run=run_id, rank=0, world_size=1, producer="p", seq=0, ts=time.time(),
+                         series={"loss": Series(np.arange(3), np.array([1.0, 1.1, float("nan")]))})
+    firing = lambda a: a["run"] == run_id and a["metric"] == "loss" and a["status"] == "firing"  # noqa: E731
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    try:
+        producer.send(contract.TELEMETRY, nan.to_bytes(), key=nan.key)
+        producer.flush()
+        assert consume_json(bootstrap, contract.ALERTS, firing)
+
+        gone = lambda latest: all(v is None for v in latest.values())  # noqa: E731
+        ranks = _latest(bootstrap, f"{app_id}-rank-state-changelog", {nan.key}, gone)
+        runs = _latest(bootstrap, f"{app_id}-run-watch-changelog", {run_id.encode()}, gone)
+        assert ranks == {nan.key: None} and runs == {run_id.encode(): None}, (ranks.keys(), runs.keys())
+
+        # The same message again: a worker that still held the rank's state would drop it as a replay.
+        producer.send(contract.TELEMETRY, nan.to_bytes(), key=nan.key)
+        producer.flush()
+    finally:
+        producer.close()
+    assert len(consume_json(bootstrap, contract.ALERTS, firing, count=2, timeout_s=30)) == 2
