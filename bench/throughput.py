@@ -16,8 +16,9 @@ Prints a table; asserts nothing. The broker, the bench and the workers share the
     python bench/throughput.py --ranks 1024 --messages 10 --steps 64 --metrics 16 --workers 1 2 4
 
 ``--profile`` (or ``--profile pyinstrument``, a sampling profiler, if installed) starts no broker: it runs stage 1's per-batch work in this process (the contract decode,
-``batching.process_batch`` as the worker calls it, and the rank state's JSON for the changelog) on the
-same simulated messages under cProfile, and prints the top functions by own and by cumulative time.
+``batching.process_batch`` as the worker calls it, and the rank state's msgpack for the changelog every
+``STATE_EVERY_S`` messages, as at 1 Hz) on the same simulated messages under cProfile, and prints the
+top functions by own and by cumulative time.
 
     python bench/throughput.py --profile --ranks 32 --messages 10
 """
@@ -154,21 +155,28 @@ def profile_stage1(args) -> None:
     import cProfile
     import pstats
 
+    from faust.serializers import codecs
+
     from rankwatch.stream_processors.batching import process_batch
+    from rankwatch.stream_processors.flows import STATE_EVERY_S
     from rankwatch.stream_processors.processor import TelemetryProcessor
+    from rankwatch.stream_processors.tables import STATE_CODEC
 
     sim = QuietRanks(run="profile", ranks=args.ranks, metrics=args.metrics, steps_per_message=args.steps)
     raw = [v for tick in range(args.messages) for _, v in sim.messages(tick, final=tick == args.messages - 1)]
     processor = TelemetryProcessor()
 
+    codec = codecs.get_codec(STATE_CODEC)
+
     def work() -> None:
         table: dict[str, object] = {}
-        for lo in range(0, len(raw), args.ranks):  # one take: every rank's message of a tick
+        for tick, lo in enumerate(range(0, len(raw), args.ranks)):  # one take: every rank's message of a tick
             batches = [TelemetryBatch.from_bytes(data) for data in raw[lo : lo + args.ranks]]
             out = process_batch(processor, batches, table.get, time.time())
-            for key, state in out.states.items():
-                table[key] = state
-                json.dumps(state.to_dict())  # what Faust writes to the changelog
+            table.update(out.states)
+            if tick % STATE_EVERY_S == 0:  # what the worker writes to the changelog, a tick being a second
+                for state in out.states.values():
+                    codec.dumps(state)
 
     values = len(raw) * args.steps * args.metrics
     cpu = time.process_time()
