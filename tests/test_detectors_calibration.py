@@ -98,6 +98,17 @@ def test_an_event_that_recurs_at_a_fixed_spacing_is_reported_three_times_then_le
     assert d.decide(d.update(np.r_[x[:100], 1.2]))[-1]
 
 
+def test_a_rhythm_is_held_even_with_other_alarms_between_its_occurrences():
+    # Other alarms between a checkpoint's (an odd evaluation burst) made the last few alarm
+    # episodes unevenly spaced, so the checkpoint alarmed every time (issue 18, tuning part).
+    from rankwatch.stream_processors.detectors.recurrence import recurs
+
+    assert recurs([100, 350, 550, 600, 1100], 1600)  # 1600 - 500 k: 1100, 600, 100
+    assert not recurs([100, 350, 550, 1100], 1600)  # two occurrences at 500, not three
+    assert recurs([100, 120, 600, 1080, 1101], 1600)  # within 5%
+    assert not recurs([100, 600, 1100], 1600 + 40)
+
+
 
 def test_a_spike_on_a_rising_series_is_seen_against_its_local_line():
     # Memory that grows 3 units a step: a rolling median lags it by half a window (~100 units, with

@@ -6,19 +6,35 @@ episode that recurs at a fixed spacing. Shared by ``spike`` (and ``blowup``) and
   is news at its first point, not at each point until the detector re-baselines. A 50x step after a
   routine 5x burst is further out, so it is news.
 - **Recurrences.** A checkpoint every 500 steps, an evaluation pass every 80, a sawtooth's reset: an
-  alarm episode (alarms each within ``gap`` points of the last) that begins as far after the last
-  episode as each of the two before began after its predecessor (within 5%) is the same event
-  again, and all of it is held under the threshold. A fault is rarely so punctual, and its first
-  three occurrences are reported.
+  alarm episode (alarms each within ``gap`` points of the last) that begins ``d``, ``2 d`` and
+  ``3 d`` after three earlier episodes (within 5%; other episodes may fall between) is the same
+  event again, and all of it is held under the threshold. A fault is rarely so punctual, and its
+  first three occurrences are reported.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-#: Starts of alarm episodes kept: the fourth at the same spacing is a recurrence. With the third,
-#: an eval burst's two false alarms 56 steps apart held a 60x stall that came 56 steps later.
-MARKS = 4
+#: Starts of alarm episodes kept. The rhythm is looked for among all of them, not only the last
+#: few: on the tuning part a checkpoint's alarms every 251 steps were never held, because
+#: evaluation alarms fell between them.
+MARKS = 8
+#: Episodes at one spacing, the present one included, that make a recurrence. With three, an eval
+#: burst's two false alarms 56 steps apart held a 60x stall that came 56 steps later.
+REPEATS = 4
+
+
+def recurs(marks: list[int], pos: int) -> bool:
+    """Whether an episode beginning at ``pos`` is the ``REPEATS``-th of a rhythm: past episodes
+    began ``d``, ``2 d`` and ``3 d`` before it (each within 5% of ``d``), whatever other episodes
+    lie between them."""
+    past = np.asarray(marks, dtype=np.float64)
+    for spacing in (pos - past).tolist():
+        tol = max(1.0, 0.05 * spacing)
+        if spacing > 0 and all(np.any(np.abs(pos - k * spacing - past) <= tol) for k in range(2, REPEATS)):
+            return True
+    return False
 
 
 def continuations(z: np.ndarray, last_z: float, far: float) -> np.ndarray:
@@ -39,8 +55,7 @@ def hold_recurrences(
     for i in np.flatnonzero(s >= threshold).tolist():
         pos = first + i
         if not marks or pos - last_alarm > max(gap, 1):
-            spacing = np.diff(marks[-(MARKS - 1) :] + [pos])
-            held = bool(len(spacing) == MARKS - 1 and np.all(np.abs(spacing - spacing[0]) <= max(1.0, 0.05 * spacing[0])))
+            held = recurs(marks, pos)
             marks = (marks + [pos])[-MARKS:]
         if held:
             s[i] = min(s[i], hold)

@@ -57,9 +57,9 @@ class RobustSpike(Detector):
     only if it predicts better than the rolling median). With one, a point is judged against its
     phase one, two and three periods back, so an evaluation pause every 50 steps, a checkpoint
     sawtooth or a daily cycle is expected, and a fault inside that rhythm still stands out. An
-    alarm that recurs at the spacing of the two before it (a checkpoint every 500 steps, longer
-    than any period looked for, or a second rhythm beside the first) is held under the threshold
-    from its fourth occurrence.
+    alarm that comes at one spacing after three before it, whatever alarms lie between (a
+    checkpoint every 500 steps, longer than any period looked for, or a second rhythm beside the
+    first) is held under the threshold from its fourth occurrence.
 
     After ``rebase`` consecutive points more than 4 sigmas off on the same side, the level has
     changed: the history is moved to the new level (by the gap between the medians before and
