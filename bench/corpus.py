@@ -15,6 +15,7 @@ The fault scenarios' recall and delays are ``bench/scenarios.py`` (run it with `
 on seeds not used for tuning).
 
     python bench/corpus.py            # records the clean runs on first use (~2 min), then ~1 min
+    python bench/corpus.py --only sweep   # the robustness sweep (fresh seeds, wide ranges), ~1 min
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from rankwatch.stream_processors.rules import default_rules  # noqa: E402
 CORPUS = HERE / "data" / "corpus"
 RECORDINGS = HERE / "data" / "corpus_runs"
 DETECTORS = ("ensemble", "spike", "cusum", "ewma")
+#: Seeds of the robustness sweep (``--only sweep``): none of the parts' seeds.
+SWEEP_SEEDS = range(400, 424)
 
 
 def load(split: str) -> list[Series]:
@@ -88,6 +91,35 @@ def nab_table(splits: dict[str, list[Series]], names=DETECTORS) -> dict:
     return results
 
 
+def _wide(rng: np.random.Generator, _part) -> dict:
+    """Periods and noise over the whole range a training run might show, not one part's."""
+    return {"eval": int(rng.integers(20, 250)), "ckpt": int(rng.integers(100, 1200)), "hiccup": int(rng.integers(10, 100)),
+            "noise": float(rng.uniform(0.02, 0.15)), "decay": int(rng.integers(400, 1800)),
+            "day": int(rng.choice([96, 144, 200, 288]))}
+
+
+def sweep_table(seeds: range = range(400, 424), name: str = "ensemble") -> dict[str, Tally]:
+    """A robustness check beside the parts: the generator's shapes on fresh seeds, each drawing its
+    periods and noise from ``_wide``, scored per shape. Nothing is chosen on it; it shows whether a
+    change that helps the tuning part holds for periods that part does not have."""
+    sys.path.insert(0, str(HERE / "data"))
+    import make_corpus
+
+    make_corpus._params = _wide
+    per: dict[str, Tally] = {}
+    for seed in seeds:
+        for series, x, labels in make_corpus.generated(seed, False):
+            d = build(name)
+            per.setdefault(series.split("_s")[0], Tally()).add(sweep(labels), d.decide(d.update(x)))
+    total = Tally()
+    for shape, t in per.items():
+        print(f"{shape:10s} NAB {t.nab():6.1f}  recall {t.detected}/{t.windows}  false-positive rows {t.fp_rows}")
+        total.raw, total.windows = total.raw + t.raw, total.windows + t.windows
+        total.detected, total.fp_rows = total.detected + t.detected, total.fp_rows + t.fp_rows
+    print(f"{'all':10s} NAB {total.nab():6.1f}  recall {total.detected}/{total.windows}  false-positive rows {total.fp_rows}")
+    return per
+
+
 def clean_runs(rules=None) -> dict[str, dict]:
     """False alerts of the default rules on the recorded clean runs, per part."""
     rules = rules or default_rules()
@@ -115,7 +147,7 @@ def clean_runs(rules=None) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("nab", "runs"), help="one table")
+    parser.add_argument("--only", choices=("nab", "runs", "sweep"), help="one table")
     parser.add_argument("--proposed", action="store_true",
                         help="also score the scenario bench's proposed rules (scenario_rules) on the clean runs")
     args = parser.parse_args(argv)
@@ -128,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{split}: {len(items)} series, {sum(len(s.values) for s in items)} rows, {windows} scored windows")
         print("\nNAB standard profile, default parameters and thresholds (FP/10k: on the clean series):")
         nab_table(splits)
+    if args.only == "sweep":
+        print(f"Robustness sweep: {len(SWEEP_SEEDS)} fresh seeds of each shape, periods and noise drawn wide:")
+        sweep_table(SWEEP_SEEDS)
     if args.only in (None, "runs"):
         print("\nDefault rules on clean recorded training runs (every alert is false):")
         clean_runs()
