@@ -1,6 +1,6 @@
 """Run one Faust worker: resolve the broker kind, make sure topics exist, start the app.
 
-Two things no Faust setting gives, added here:
+Three things no Faust setting gives, added here:
 
 - **A broker that came back empty** (a restarted embedded broker, which keeps nothing) is noticed
   by a :class:`BrokerWatch`, and the worker starts over in the same process (``exec``): topics are
@@ -12,6 +12,9 @@ Two things no Faust setting gives, added here:
   ``STOP_DEADLINE_S`` (a broker that is down makes Faust wait about a minute; a crashed agent can
   leave it waiting for good) the process exits anyway. The signals are taken by a thread of our
   own (``sigwait``), so they are heard in every state, even when the event loop no longer runs.
+- **No partition left behind.** Records Faust took from the consumer but dropped during a rebalance
+  are never read again unless something seeks back; a :class:`FetchWatch` finds such partitions on
+  an idle worker and seeks them back to their committed offset.
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ from rankwatch.settings import Settings
 from rankwatch.stack import PARENT_ENV, READY_LINE
 from rankwatch.stream_processors.app import make_app
 from rankwatch.stream_processors.brokerwatch import BrokerWatch
+from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets
 from rankwatch.stream_processors.runwatch import OutageClock
 
 log = logging.getLogger(__name__)
 
 STOP_DEADLINE_S = 8.0  # SIGTERM to exit, at most (the promise is 10 s)
+FETCH_CHECK_S = 5.0  # how often an idle worker checks for partitions fetched but never delivered
+_STREAMED = (*contract.TOPICS, *contract.INTERNAL_TOPICS)
 NEW_BROKER_LINE = "rankwatch worker: the broker came back empty"  # tests and users look for this
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
@@ -75,6 +81,24 @@ def build_app(settings: Settings) -> faust.App:
     @app.task
     async def watch_broker():
         await watch.run()
+
+    fetches = FetchWatch()
+
+    @app.timer(interval=FETCH_CHECK_S)
+    async def unstick_partitions():
+        consumer = app.consumer
+        if app.rebalancing:
+            return
+        offsets = {tp: Offsets(await consumer.position(tp), consumer._read_offset.get(tp),
+                               consumer._committed_offset.get(tp))
+                   for tp in consumer.assignment() if tp.topic in _STREAMED and tp not in consumer._paused_partitions}
+        idle = not consumer._unacked_messages and not app.rebalancing
+        for tp in fetches.check(idle=idle, offsets=offsets):
+            seen = offsets[tp]
+            back = seen.committed or 0
+            log.warning("%s[%d]: fetched up to offset %d but given to no stream past %s; reading it again from %d",
+                        tp.topic, tp.partition, seen.position, seen.delivered, back)
+            await consumer.seek(tp, back)
 
     parent = os.environ.get(PARENT_ENV)
     if parent:

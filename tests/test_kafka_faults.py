@@ -8,15 +8,19 @@ partition whose worker is gone moves in seconds rather than Faust's default minu
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import re
 import time
 
+import numpy as np
 import pytest
 from conftest import TEST_RULES, consume_json, need_kafka
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, KafkaProducer
 from kafka.partitioner.default import murmur2
 
 from rankwatch import contract
+from rankwatch.contract import Series, TelemetryBatch
 from rankwatch.kafka_broker import KafkaCluster
 from rankwatch.producers import RankPublisher
 from rankwatch.settings import Settings
@@ -112,6 +116,20 @@ def test_a_partition_leader_killed_while_ranks_publish_loses_and_doubles_nothing
     assert any(a["metric"] == "loss" and a["step"] == NAN_STEP for a in alerts)
 
 
+def _rollups_of(bootstrap: str, run: str, windows: set[tuple[int, int]], timeout_s: float = 120) -> list[dict]:
+    """Every loss rollup of ``run`` on the reports topic, once all of ``windows`` (rank, start) are there."""
+    def complete(found: list[dict]) -> bool:
+        return windows <= {(r["rank"], r["start_step"]) for r in found}
+
+    def is_rollup(r: dict) -> bool:
+        return r.get("kind") == "rollup" and r.get("run") == run and r.get("metric") == "loss"
+
+    found = consume_json(bootstrap, contract.REPORTS, is_rollup, until=complete, timeout_s=timeout_s)
+    missing = windows - {(r["rank"], r["start_step"]) for r in found}
+    assert not missing, f"{len(missing)} windows never rolled up, e.g. {sorted(missing)[:5]}"
+    return found
+
+
 def _doubled(items: list[dict], *fields: str) -> dict:
     """Identities sent more than once with different content. Delivery is at least once: a worker
     killed after sending but before its changelog write sends the same output again on replay, which
@@ -121,6 +139,148 @@ def _doubled(items: list[dict], *fields: str) -> dict:
         content = {k: v for k, v in item.items() if k not in ("ts", "sketch")}  # the send time; the digest's
         versions[tuple(json.dumps(item[f]) for f in fields)].add(json.dumps(content, sort_keys=True))  # layout
     return {k: len(v) for k, v in versions.items() if len(v) > 1}
+
+
+# -- workers killed --------------------------------------------------------------------------------
+
+SERIES_STEPS, PER_BATCH, SPIKE_STEP = 300, 20, 180
+
+
+def _telemetry(run: str, world: int = WORLD) -> list[TelemetryBatch]:
+    """The same loss series for every run id: noisy descent, a NaN on rank 1, a spike on rank 2."""
+    noise = np.random.default_rng(7).normal(0.0, 0.01, size=(world, SERIES_STEPS))
+    batches = []
+    for seq, first in enumerate(range(0, SERIES_STEPS, PER_BATCH)):
+        steps = np.arange(first, first + PER_BATCH)
+        for rank in range(world):
+            values = 2.0 - steps / SERIES_STEPS + noise[rank, steps]
+            values[steps == NAN_STEP] = float("nan") if rank == 1 else values[steps == NAN_STEP]
+            values[steps == SPIKE_STEP] = 50.0 if rank == 2 else values[steps == SPIKE_STEP]
+            batches.append(TelemetryBatch(run=run, rank=rank, world_size=world, producer="p", seq=seq, ts=time.time(),
+                                          series={"loss": Series(steps, values)},
+                                          final=first + PER_BATCH >= SERIES_STEPS))
+    return batches
+
+
+def _send(bootstrap: str, batches: list[TelemetryBatch]) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    try:
+        for batch in batches:
+            producer.send(contract.TELEMETRY, batch.to_bytes(), key=batch.key)
+        producer.flush(timeout=30)
+    finally:
+        producer.close()
+
+
+def _outcome(bootstrap: str, run: str, world: int = WORLD) -> tuple[dict, dict, dict]:
+    """What a reader of ``run`` keeps (the latest message per identity, as the report store does),
+    without the run id and send times, and the identities that were sent more than once."""
+    windows = {(r, start) for r in range(world) for start in range(0, SERIES_STEPS, ROLLUP)}
+    rollups = _rollups_of(bootstrap, run, windows)
+    time.sleep(3)  # the grouping wait (tests/rules.toml: 2 s) of the last alerts
+    alerts = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run, count=10**9, timeout_s=5)
+
+    def kept(items: list[dict], identity: tuple[str, ...]) -> dict:
+        out = {}
+        for item in items:
+            rest = {k: v for k, v in item.items() if k not in ("run", "ts", "message")}
+            rest["key"] = rest.get("key", "").replace(run, "RUN")
+            out[tuple(json.dumps(rest[f]) for f in identity)] = json.dumps(rest, sort_keys=True)
+        return out
+
+    rollup_id, alert_id = ("rank", "start_step"), ("key", "status", "incident", "ranks")
+    doubled = {**_doubled(rollups, *rollup_id), **_doubled(alerts, *alert_id)}
+    return kept(rollups, rollup_id), kept(alerts, alert_id), doubled
+
+
+@contextlib.contextmanager
+def _workers_output_on_failure(stack: Stack):
+    """A failed assertion carries the workers' last output: what they did is the first question."""
+    try:
+        yield
+    except AssertionError as exc:
+        output = "\n".join(f"[worker {w.index}] {line}" for w in stack.workers for line in w.tail)
+        raise AssertionError(f"{exc}\nthe workers' last output:\n{output}") from None
+
+
+def _kill(worker) -> None:
+    worker.proc.kill()  # no commit, no leave, no changelog flush: a crash
+    worker.proc.wait()
+
+
+def test_a_worker_killed_mid_stream_and_restarted_reports_and_alerts_as_an_uninterrupted_run(cluster_stack, run_id):
+    with _workers_output_on_failure(cluster_stack):
+        _killed_and_restarted(cluster_stack, run_id)
+
+
+def _killed_and_restarted(cluster_stack: Stack, run_id: str) -> None:
+    bootstrap = cluster_stack.bootstrap
+    calm, crashed = f"{run_id}-calm", f"{run_id}-crash"
+    _send(bootstrap, _telemetry(calm))
+    calm_rollups, calm_alerts, _ = _outcome(bootstrap, calm)
+    assert any('"nonfinite"' in a and f'"step": {NAN_STEP}' in a for a in calm_alerts.values()), calm_alerts
+
+    batches = _telemetry(crashed)
+    half = len(batches) // 2
+    _send(bootstrap, batches[:half])
+    _rollups_of(bootstrap, crashed, {(r, 0) for r in range(WORLD)})  # mid-stream: it is working on this run
+    for worker in cluster_stack.workers:
+        _kill(worker)
+    _send(bootstrap, batches[half:])
+    cluster_stack.start_workers()
+    rollups, alerts, doubled = _outcome(bootstrap, crashed)
+
+    print(f"sent again after the crash: {len(doubled)} identities {sorted(doubled)[:5]}")
+    assert rollups == calm_rollups
+    assert alerts == calm_alerts
+
+
+def _telemetry_partitions(worker) -> list[int]:
+    """The partitions of the telemetry topic the worker last said it owns (its ready line)."""
+    lines = [line for line in worker.tail if "telemetry partitions" in line]
+    return json.loads(re.findall(r"telemetry partitions (\[.*?\])", lines[-1])[0]) if lines else []
+
+
+def _one_of_two_killed(cluster_stack: Stack, run_id: str, world: int) -> tuple[dict, dict, dict]:
+    bootstrap = cluster_stack.bootstrap
+    batches = _telemetry(run_id, world)
+    half = len(batches) // 2
+    _send(bootstrap, batches[:half])
+    _rollups_of(bootstrap, run_id, {(r, 0) for r in range(world)})
+    partition = _partition_of(contract.telemetry_key(run_id, 0), cluster_stack.settings.partitions)
+
+    def split() -> bool:  # each worker's latest ready line names its half, and no partition twice
+        claims = [set(_telemetry_partitions(w)) for w in cluster_stack.workers]
+        return all(claims) and not set.intersection(*claims)
+
+    deadline = time.monotonic() + 60
+    while not split() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the second worker's join may still be settling
+    victim = next(w for w in cluster_stack.workers if partition in _telemetry_partitions(w))
+    survivor = next(w for w in cluster_stack.workers if w is not victim)
+    assert partition not in _telemetry_partitions(survivor), "both workers claim rank 0's partition"
+    _kill(victim)
+    _send(bootstrap, batches[half:])
+    outcome = _outcome(bootstrap, run_id, world)
+    assert partition in _telemetry_partitions(survivor), "the survivor never took the partition over"
+    return outcome
+
+
+def test_of_two_workers_one_killed_the_other_takes_over_losing_and_doubling_nothing(cluster_stack, run_id):
+    cluster_stack.n_workers = 2
+    cluster_stack.restart_workers()
+    try:
+        with _workers_output_on_failure(cluster_stack):
+            rollups, alerts, doubled = _one_of_two_killed(cluster_stack, run_id, world=8)
+    finally:
+        for worker in cluster_stack.workers:
+            worker.stop()
+        cluster_stack.n_workers = 1
+        cluster_stack.start_workers()
+
+    print(f"sent again after the kill: {len(doubled)} identities {sorted(doubled)[:5]}")
+    assert doubled == {}, "a rollup or alert was sent twice, differently"
+    assert any('"nonfinite"' in a for a in alerts.values()), alerts
 
 
 OUTAGE_S = 60
@@ -194,3 +354,4 @@ def test_the_whole_cluster_down_for_a_minute_blocks_no_training_and_loses_nothin
     others = [{k: a.get(k) for k in ("detector", "status", "ranks", "step", "message")} for a in alerts
               if a["detector"] != "nonfinite"]
     assert others == [] and any(a["metric"] == "loss" for a in alerts), others
+

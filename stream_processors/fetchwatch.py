@@ -1,0 +1,58 @@
+"""Partitions whose records the consumer fetched but no stream was given, found and sought back.
+
+Seen on a 3-broker Apache Kafka cluster after a worker was killed and its partner took its
+partitions over (issue 19): the survivor sat idle for good with no error, aiokafka's fetch position
+at the end of three telemetry partitions, Faust's committed offset and last delivered offset half
+way. faust-streaming's ``Consumer.getmany`` takes a batch of records from aiokafka (which moves the
+position past them) and hands them to the streams one by one; when a rebalance starts meanwhile it
+stops handing them over (the generation check, and the active-partition filter, whose set the
+rebalance empties in place) and drops the rest. Unless another rebalance seeks the partition back,
+nothing ever reads those records again. (The same family: faust-streaming issues 216 and 221.)
+
+The watch asks, every few seconds while the worker is idle (no message delivered and not yet
+acknowledged): is a partition's fetch position beyond what Faust delivered or committed? Twice in
+a row with nothing changing, it is stuck, and the worker seeks it back to its committed offset.
+Replays are harmless (every stage drops what it already applied); a record never read is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Hashable
+
+
+@dataclass(frozen=True)
+class Offsets:
+    position: int | None  # the consumer's fetch position: the next offset aiokafka returns
+    delivered: int | None  # the last offset Faust gave a stream (or its seek target after a seek)
+    committed: int | None  # the group's committed offset: the next one to process after a restart
+
+    def behind(self) -> bool:
+        """Whether records were fetched that Faust neither delivered nor committed past."""
+        done = max(-1 if self.delivered is None else self.delivered, -1 if self.committed is None else self.committed - 1)
+        return self.position is not None and self.position > done + 1
+
+
+@dataclass
+class FetchWatch:
+    patience: int = 2  # checks in a row that see the same partition behind and unchanged
+    _suspects: dict[Hashable, tuple[Offsets, int]] = field(default_factory=dict)
+
+    def check(self, *, idle: bool, offsets: Mapping[Hashable, Offsets]) -> list[Hashable]:
+        """The partitions to seek back: behind, unchanged, on ``patience`` idle checks in a row."""
+        if not idle:  # records may be on their way to a stream: nothing can be told
+            self._suspects.clear()
+            return []
+        suspects, stuck = {}, []
+        for tp, now in offsets.items():
+            if not now.behind():
+                continue
+            before, seen = self._suspects.get(tp, (None, 0))
+            seen = seen + 1 if before == now else 1
+            if seen >= self.patience:
+                stuck.append(tp)
+            else:
+                suspects[tp] = (now, seen)
+        self._suspects = suspects
+        return stuck
