@@ -7,10 +7,13 @@ keyed like the telemetry topic, so state and stream share partitions and one wri
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, Rollup, Series, TelemetryBatch
-from rankwatch.stream_processors.detectors import Detector
+from rankwatch.stream_processors.detectors import Detector, NonFinite
 from rankwatch.stream_processors.policies import AlertPolicy, Condition
 from rankwatch.stream_processors.rules import Rule, Rules, default_rules, detector_classes
 from rankwatch.stream_processors.windows import Window, roll
@@ -99,13 +102,20 @@ class TelemetryProcessor:
             ms = state.metrics.get(metric)
             if ms is None:
                 ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()})
+            values = series.values
+            # One check per series instead of one per stateless detector: nearly every series is all
+            # finite, and at one step per message numpy's fixed cost per call is most of the work.
+            finite = _all_finite(values)
             for name, detector in ms.detectors.items():
                 rule = rules.get(name)
                 if rule is None:
                     continue  # the rules changed since this state was built; the detector retires
-                scores = detector.update(series.values)
-                anomalous = detector.decide(scores)
                 condition = ms.conditions.setdefault(name, Condition())
+                if finite and not condition.firing and type(detector) is NonFinite:
+                    condition.streak = 0  # what the quiet branch below does with all-zero scores
+                    continue
+                scores = detector.update(values)
+                anomalous = detector.decide(scores)
                 if not condition.firing and not anomalous.any():
                     # What the policy does to a quiet condition over normal points, without its loop.
                     if len(anomalous):
@@ -115,10 +125,10 @@ class TelemetryProcessor:
                 alerts += policy.apply(
                     condition,
                     run=batch.run, rank=batch.rank, metric=metric, detector=name,
-                    severity=rule.severity or detector.severity, steps=series.steps, values=series.values,
+                    severity=rule.severity or detector.severity, steps=series.steps, values=values,
                     scores=scores, anomalous=anomalous, now=now,
                 )
-            ms.window, closed = roll(ms.window, series.steps, series.values, self.rollup_steps)
+            ms.window, closed = roll(ms.window, series.steps, values, self.rollup_steps)
             rollups += [
                 w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
                             world_size=batch.world_size)
@@ -132,7 +142,8 @@ class TelemetryProcessor:
                                     now=now, world_size=batch.world_size)
                 for metric, ms in state.metrics.items() if ms.window is not None
             ]
-        steps = [int(s.steps.max()) for s in batch.series.values() if len(s.steps)]
+        steps = [int(s.steps[0]) if len(s.steps) == 1 else int(s.steps.max()) for s in batch.series.values()
+                 if len(s.steps)]
         cross = {m: s for m, s in batch.series.items() if m == COLLECTIVE_WAIT or self._cross_rank(m)}
         return Output(alerts, rollups, max(steps) if steps else None, cross)
 
@@ -141,3 +152,10 @@ class TelemetryProcessor:
         if found is None:
             found = self._cross_rank_metrics[metric] = self.rules.cross_rank_rule(metric) is not None
         return found
+
+
+def _all_finite(values: np.ndarray) -> bool:
+    """Whether every value is finite (a finite sum says so; one that overflows takes the long way)."""
+    if len(values) == 1:
+        return math.isfinite(values[0])
+    return math.isfinite(float(np.add.reduce(values))) or bool(np.isfinite(values).all())

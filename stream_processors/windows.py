@@ -37,7 +37,7 @@ class Window:
             self.first_step = first if self.first_step is None else min(self.first_step, first)
             self.last_step = last if self.last_step is None else max(self.last_step, last)
         if len(values) == 1:
-            return self._add_one(float(values[0]))
+            return self._add_value(float(values[0]))
         if not len(values):
             return
         self.last = float(values[-1])
@@ -65,7 +65,13 @@ class Window:
         self.min = min(self.min, float(np.minimum.reduce(finite)))
         self.max = max(self.max, float(np.maximum.reduce(finite)))
 
-    def _add_one(self, x: float) -> None:
+    def add_one(self, step: int, x: float) -> None:
+        """``add`` of one point, without arrays."""
+        self.first_step = step if self.first_step is None else min(self.first_step, step)
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+        self._add_value(x)
+
+    def _add_value(self, x: float) -> None:
         # Welford's update; one point per message is common (one step per batch) and numpy's
         # fixed cost per call would dominate it.
         self.last = x
@@ -110,6 +116,18 @@ def roll(window: Window | None, steps: np.ndarray, values: np.ndarray, width: in
     """Add points to the open window; return the new open window and the windows that closed."""
     closed: list[Window] = []
     if not len(steps):
+        return window, closed
+    if len(steps) == 1:  # one step per message, the usual case: plain ints, no numpy per call
+        step = int(steps[0])
+        k = step // width
+        if window is not None and k != window.index:
+            if k < window.index:
+                return window, closed  # a late point of a window already closed: its rollup is out
+            closed.append(window)
+            window = None
+        if window is None:
+            window = Window(index=k)
+        window.add_one(step, float(values[0]))
         return window, closed
     index = steps // width
     if index[0] == index[-1]:

@@ -4,7 +4,8 @@ The stream feeds a detector a batch of consecutive points of one series; ``updat
 scores and state of feeding them one at a time. For each detector whose ``update`` works on a
 batch with numpy calls over arrays (the tail model's ``update_many``, ``spike`` and ``blowup`` on
 top of it), the same series fed one point at a time and in batches of several sizes must agree:
-scores within float tolerance, the same decisions, the same state. On generated series (noise,
+scores within float tolerance, the same decisions, the same state (one point at a time takes the
+plain-Python path of ``spike`` and ``blowup``, batches the arrays). On generated series (noise,
 bursts, shifts, spikes, NaNs, infinities) and on the recorded ones in ``bench/data``.
 """
 
@@ -91,6 +92,7 @@ DETECTORS = {
     "spike": lambda: RobustSpike(),
     "spike_down_small": lambda: RobustSpike(window=16, warmup=8, direction="down", max_period=20, rebase=3),
     "spike_low_threshold": lambda: RobustSpike(threshold=0.99),  # many points beyond: the clipped path
+    "spike_tail_both": lambda: RobustSpike(tail=0.9),  # the tail's order statistics on both sides
     "blowup": lambda: Blowup(),
 }
 
@@ -109,6 +111,17 @@ def test_a_batch_update_is_the_point_by_point_update(name, series):
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12, err_msg=f"batches of {size}")
         assert np.array_equal(d.decide(got), reference.decide(expected)), f"batches of {size}"
         _same_state(d.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("name", ["spike", "spike_tail_both", "blowup"])
+def test_the_one_point_path_takes_the_usual_point(name):
+    # The tests above compare it with the array path only if points one at a time take it: a warm
+    # detector on plain noise, past its warm-up, must answer nearly every point there.
+    d = DETECTORS[name]()
+    x = 1.0 + 0.01 * np.random.default_rng(5).normal(size=600)
+    d.update(x[:200])
+    taken = [d._update_one(float(v)) is not None for v in x[200:]]
+    assert sum(taken) >= 0.9 * len(taken)
 
 
 @pytest.mark.parametrize("threshold", [0.5, 0.99, 0.999999])

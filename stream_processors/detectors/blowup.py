@@ -82,6 +82,9 @@ class Blowup(RobustSpike):
     def _resolution_floor(self, series: np.ndarray, first: int) -> float:
         return 0.0  # the log-scale floor above is far coarser than any reading's resolution
 
+    def _resolution_floor_one(self, history: list[float]) -> float:
+        return 0.0
+
     def _adjust(self, z: np.ndarray, points: np.ndarray, center: np.ndarray) -> np.ndarray:
         # Below min_factor times the median a point counts as a 3.5-sigma one at most: rarer than one
         # in a thousand under the prior, yet under the default threshold (see the docstring).

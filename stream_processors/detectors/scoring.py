@@ -117,6 +117,21 @@ def tail_sigma(rows: np.ndarray, median: np.ndarray, quantile: float, direction:
     return np.maximum(upper, lower)
 
 
+def tail_sigma_sorted(ordered: list[float], median: float, quantile: float, direction: str) -> float:
+    """``tail_sigma`` of one row, given sorted, in plain Python (the same order statistics)."""
+    n = len(ordered)
+    k = min(max(math.ceil(quantile * n) - 1, 0), n - 1)
+    z = float(ndtri(quantile))
+    if z <= 0:
+        return 0.0
+    upper, lower = (ordered[k] - median) / z, (median - ordered[n - 1 - k]) / z
+    if direction == "up":
+        return upper
+    if direction == "down":
+        return lower
+    return max(upper, lower)
+
+
 def resolution(series: np.ndarray, first: int, span: int) -> np.ndarray:
     """For each index ``i >= first``: the reading's resolution over ``series[i - span : i]``, the
     smallest non-zero step between consecutive values there (0: none).

@@ -14,10 +14,13 @@ from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
     check_direction,
     directed,
+    directed_one,
     median_rows,
     resolution,
     standardise,
+    standardise_one,
     tail_sigma,
+    tail_sigma_sorted,
     trailing_windows,
 )
 
@@ -273,12 +276,71 @@ class RobustSpike(Detector):
                 return i
         return None
 
+    def _update_one(self, value: float) -> float | None:
+        """``update`` of one point in plain Python, in the usual case: warm, no period or line, less
+        than 4 sigmas off and under the threshold. At one step per message numpy's fixed cost per
+        call was nearly all of a detector's time (issue 16). Anything else returns None having
+        changed nothing, and takes the general path."""
+        if not math.isfinite(value):
+            return 0.0  # as there: scored 0 and not learned
+        history = self.history
+        if self.period or self.trending or len(history) < self.warmup:
+            return None
+        x = float(self._transform(np.array([value]))[0])
+        rows = history[-self.window :]
+        ordered = sorted(rows)
+        lo, hi = (len(ordered) - 1) // 2, len(ordered) // 2
+        median = 0.5 * (ordered[lo] + ordered[hi])
+        spread = sorted([abs(v - median) for v in rows])
+        scale = 0.5 * (spread[lo] + spread[hi]) / MAD_TO_SIGMA
+        if self.tail > 0.5:
+            scale = max(scale, tail_sigma_sorted(ordered, median, self.tail, self.direction))
+        scale = max(scale, float(self._floor(np.array([median]))[0]), self._resolution_floor_one(history))
+        z = float(self._adjust(np.array([standardise_one(x, median, scale)]), np.array([x]), np.array([median]))[0])
+        if not abs(z) < SHIFT_Z:
+            return None
+        deviation = directed_one(z, self.direction)
+        score = 1.0 - self.calib.survival(deviation)
+        if score >= self.threshold:
+            return None
+        # What the general path does to a quiet point: no continuation, no run, no alarm.
+        self.calib.learn(deviation)
+        self.run, self.last_z = 0, z
+        history.append(x)
+        del history[: -self.span]
+        self.seen += 1
+        self._look_for_period()
+        return score
+
+    def _resolution_floor_one(self, history: list[float]) -> float:
+        """``_resolution_floor`` of the point after ``history``."""
+        steps = np.abs(np.diff(np.asarray(history)))
+        steps = steps[steps > 0]
+        smallest = float(steps.min()) if len(steps) else 0.0
+        return 0.5 * smallest if math.isfinite(smallest) else 0.0
+
+    def _look_for_period(self) -> None:
+        """Every ``PERIOD_EVERY`` learned points: a period, else (where allowed) whether a line fits."""
+        if self.seen % PERIOD_EVERY or not (self.max_period or self.follows_trend):
+            return
+        history = np.asarray(self.history)
+        period = detect_period(history, self.window, self.max_period) if self.max_period else 0
+        trending = self.follows_trend and not period and trend_helps(history, self.window)
+        if abs(period - self.period) > 0.1 * max(period, self.period) or trending != self.trending:
+            # Another model of the series: its z follow another law, learned afresh.
+            self.calib = TailModel(prior_counts(half_normal_sf, PRIOR_WEIGHT), memory=self.memory)
+        self.period, self.trending = period, trending
+
     def update(self, values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, dtype=np.float64)
+        if len(values) == 1:
+            score = self._update_one(float(values[0]))
+            if score is not None:
+                return np.array([score])
         # Within a stretch (no level change, no period check) every point's z is known up front,
         # since the history grows by the finite points whatever their scores: one numpy pass per
         # stretch for the z, one for the tail model (``TailModel.update_many``), and the shift
         # test goes point by point only from the first point 4 sigmas off.
-        values = np.asarray(values, dtype=np.float64)
         finite = np.flatnonzero(np.isfinite(values))
         points = self._transform(values[finite])
         scores = np.zeros(len(values))
@@ -339,14 +401,7 @@ class RobustSpike(Detector):
                 self.history = np.r_[before + delta, new][-self.span :].tolist()
                 self.seen += upto - done
                 self.run, done = 0, upto
-            if self.seen % PERIOD_EVERY == 0 and (self.max_period or self.follows_trend):
-                history = np.asarray(self.history)
-                period = detect_period(history, self.window, self.max_period) if self.max_period else 0
-                trending = self.follows_trend and not period and trend_helps(history, self.window)
-                if abs(period - self.period) > 0.1 * max(period, self.period) or trending != self.trending:
-                    # Another model of the series: its z follow another law, learned afresh.
-                    self.calib = TailModel(prior_counts(half_normal_sf, PRIOR_WEIGHT), memory=self.memory)
-                self.period, self.trending = period, trending
+            self._look_for_period()
         return scores
 
     def state_dict(self) -> dict[str, Any]:
