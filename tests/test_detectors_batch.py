@@ -39,6 +39,8 @@ def _generated() -> dict[str, np.ndarray]:
         "shift": np.r_[rng.normal(5, 1, n // 2), rng.normal(25, 1, n - n // 2)],
         "spikes": np.where(rng.random(n) < 0.01, 50.0, 1.0) + rng.normal(0, 0.1, n),
         "flat_then_step": np.r_[np.full(300, 3.0), np.full(300, 30.0), rng.normal(30, 1, n - 600)],
+        # a gauge read to 0.1 that mostly holds still: the resolution floor, its ties and its expiry
+        "quantised": np.round(20.0 + np.cumsum(rng.normal(0, 0.02, n)) + np.where(rng.random(n) < 0.1, 0.1, 0.0), 1),
         "nan_and_inf": np.where(rng.random(n) < 0.03, np.nan, np.where(rng.random(n) < 0.005, 1e308 * 10,
                                                                         rng.normal(3, 1, n))),
     }
