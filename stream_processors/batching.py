@@ -31,6 +31,8 @@ from rankwatch.stream_processors.topics import encoded
 Message = tuple[str, bytes, bytes]  # (topic, key, value), as ``topics.encoded`` makes them
 # Room for the envelope of a ProgressBatch around its items, well above what it takes.
 _ENVELOPE_BYTES = 4096
+# An int64 step (20 characters), a float (24, as repr writes it) and their separators, with room.
+_POINT_BYTES = 64
 
 
 @dataclass
@@ -73,7 +75,8 @@ def process_batch(
                     run=batch.run, rank=batch.rank, world_size=batch.world_size,
                     last_step=-1 if result.last_step is None else result.last_step, ts=batch.ts,
                     series=result.cross_rank, final=batch.final)
-                encoded(item)  # a progress too large to send fails this message, as it did alone
+                if _may_be_too_large(item):
+                    encoded(item)  # a progress too large to send fails this message, as it did alone
         except Exception as exc:  # a bug must not stop the worker; the caller dead-letters the message
             out.failed.append((index, exc))
             continue
@@ -88,6 +91,13 @@ def process_batch(
     for run in list(progress):
         flush(run)
     return out
+
+
+def _may_be_too_large(item: RankProgress) -> bool:
+    """Whether ``item`` could exceed the size limit; encoding every one to see cost as much as the
+    rest of a quiet one-step message. JSON spends at most ``_POINT_BYTES`` on a step and its value."""
+    size = _ENVELOPE_BYTES + sum(len(name) * 6 + 64 + _POINT_BYTES * len(s.steps) for name, s in item.series.items())
+    return size > MAX_MESSAGE_BYTES
 
 
 def _progress_messages(run: str, items: list[RankProgress]) -> list[Message]:

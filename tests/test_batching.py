@@ -170,3 +170,17 @@ def test_a_failing_message_is_reported_and_the_rest_applied():
     assert set(out.states) == {"r/0", "r/2"}
     ranks = [p.rank for _, _, v in out.messages for p in decode_run_event(v).items]
     assert ranks == [0, 2]
+
+
+def test_a_progress_too_large_to_send_fails_its_message_and_the_batch_goes_on():
+    # A cross-rank metric of 60,000 steps makes a progress event of about 1.4 MB: over the limit, so
+    # that message is reported for the dead-letter topic; the small one after it is applied.
+    steps = np.arange(60_000, dtype=np.int64)
+    big = TelemetryBatch(run="r", rank=0, world_size=2, producer="p", seq=0, ts=1.0,
+                         series={"compute_time_s": Series(steps, np.full(len(steps), 0.123456789012345))})
+    small = TelemetryBatch(run="r", rank=1, world_size=2, producer="p", seq=0, ts=1.0,
+                           series={"compute_time_s": Series(steps[:1], np.array([0.1]))})
+    out = process_batch(TelemetryProcessor(rules=Rules.load(None)), [big, small], lambda key: None, 1.0)
+    assert [index for index, _ in out.failed] == [0]
+    assert "over the limit" in str(out.failed[0][1])
+    assert list(out.states) == ["r/1"] and out.applied == 1
