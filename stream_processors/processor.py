@@ -74,13 +74,14 @@ class Output:
 class TelemetryProcessor:
     rollup_steps: int = 50
     rules: Rules = field(default_factory=default_rules)
-    _rules_by_metric: dict[str, dict[str, Rule]] = field(default_factory=dict, repr=False, compare=False)
-    _cross_rank_metrics: dict[str, bool] = field(default_factory=dict, repr=False, compare=False)
+    # metric -> (its per-rank rules by detector, whether stage 2 compares it across ranks)
+    _plans: dict[str, tuple[dict[str, Rule], bool]] = field(default_factory=dict, repr=False, compare=False)
 
-    def rules_for(self, metric: str) -> dict[str, Rule]:
-        found = self._rules_by_metric.get(metric)
+    def _plan(self, metric: str) -> tuple[dict[str, Rule], bool]:
+        found = self._plans.get(metric)
         if found is None:
-            found = self._rules_by_metric[metric] = self.rules.for_metric(metric)
+            cross = metric == COLLECTIVE_WAIT or self.rules.cross_rank_rule(metric) is not None
+            found = self._plans[metric] = (self.rules.for_metric(metric), cross)
         return found
 
     def is_replay(self, state: RankState, batch: TelemetryBatch) -> bool:
@@ -97,8 +98,15 @@ class TelemetryProcessor:
         if self.is_replay(state, batch):
             return Output(alerts, rollups)
         state.producer, state.seq = batch.producer, batch.seq
+        cross: dict[str, Series] = {}
+        last_step: int | None = None
         for metric, series in batch.series.items():
-            rules = self.rules_for(metric)
+            rules, compared = self._plan(metric)
+            if compared:
+                cross[metric] = series
+            if len(series.steps):
+                top = int(series.steps[0]) if len(series.steps) == 1 else int(series.steps.max())
+                last_step = top if last_step is None else max(last_step, top)
             ms = state.metrics.get(metric)
             if ms is None:
                 ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()})
@@ -142,16 +150,7 @@ class TelemetryProcessor:
                                     now=now, world_size=batch.world_size)
                 for metric, ms in state.metrics.items() if ms.window is not None
             ]
-        steps = [int(s.steps[0]) if len(s.steps) == 1 else int(s.steps.max()) for s in batch.series.values()
-                 if len(s.steps)]
-        cross = {m: s for m, s in batch.series.items() if m == COLLECTIVE_WAIT or self._cross_rank(m)}
-        return Output(alerts, rollups, max(steps) if steps else None, cross)
-
-    def _cross_rank(self, metric: str) -> bool:
-        found = self._cross_rank_metrics.get(metric)
-        if found is None:
-            found = self._cross_rank_metrics[metric] = self.rules.cross_rank_rule(metric) is not None
-        return found
+        return Output(alerts, rollups, last_step, cross)
 
 
 def _all_finite(values: np.ndarray) -> bool:

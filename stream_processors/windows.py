@@ -32,12 +32,12 @@ class Window:
 
     def add(self, values: np.ndarray, steps: np.ndarray | None = None) -> None:
         """Merge a block of values (Chan et al.'s parallel update: one pass, numerically stable)."""
+        if len(values) == 1:
+            return self.add_one(None if steps is None or not len(steps) else int(steps[0]), float(values[0]))
         if steps is not None and len(steps):
             first, last = int(steps[0]), int(steps[-1])
             self.first_step = first if self.first_step is None else min(self.first_step, first)
             self.last_step = last if self.last_step is None else max(self.last_step, last)
-        if len(values) == 1:
-            return self._add_value(float(values[0]))
         if not len(values):
             return
         self.last = float(values[-1])
@@ -65,15 +65,12 @@ class Window:
         self.min = min(self.min, float(np.minimum.reduce(finite)))
         self.max = max(self.max, float(np.maximum.reduce(finite)))
 
-    def add_one(self, step: int, x: float) -> None:
-        """``add`` of one point, without arrays."""
-        self.first_step = step if self.first_step is None else min(self.first_step, step)
-        self.last_step = step if self.last_step is None else max(self.last_step, step)
-        self._add_value(x)
-
-    def _add_value(self, x: float) -> None:
-        # Welford's update; one point per message is common (one step per batch) and numpy's
-        # fixed cost per call would dominate it.
+    def add_one(self, step: int | None, x: float) -> None:
+        """``add`` of one point, without arrays: Welford's update. One point per message is common (one
+        step per batch), and numpy's fixed cost per call would dominate it."""
+        if step is not None:
+            self.first_step = step if self.first_step is None else min(self.first_step, step)
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
         self.last = x
         if not math.isfinite(x):
             self.nonfinite += 1
