@@ -1,0 +1,460 @@
+"""NaN-to-alert latency of Prometheus + Alertmanager, what users run today (issue 16, goal 2's baseline).
+
+The same cluster as ``bench/scale_latency.py``: N quiet ranks (``rankwatch.sim.QuietRanks``' values,
+M metrics each, a new step every second) and rank 0, whose ``loss`` is NaN for one step every
+``gap`` steps. Here the ranks are ``prometheus-client`` exporters: one gauge per metric, labelled
+``rank`` (``layer00/weight_norm`` is served as ``layer00_weight_norm``). The quiet ranks are served by
+ceil(N / 256) exporter processes, 256 ranks each, one scrape target per process; rank 0 is one more
+target, served from this process, so that the moment its NaN starts being served is known here. At
+1,024 quiet ranks that is 5 targets and 32,800 series.
+
+Prometheus (Debian's ``prometheus``) scrapes them with 1 s scrape and evaluation intervals and one
+rule per metric, ``m != m or abs(m) == Inf`` with ``for: 0s``, as rankwatch's ``nonfinite`` watches
+every metric for NaN and ±infinity; the alert carries the series' ``rank`` and a ``metric`` label.
+It sends to a real Alertmanager (Debian's ``prometheus-alertmanager``) whose one receiver is a webhook
+served by this process on loopback. The latency is from the moment rank 0's exporter serves the NaN
+to the moment the webhook receives the firing alert of that incident; any alert naming a quiet rank
+(or no rank) is counted as false. Both binaries are looked up on PATH (``prometheus``, and
+``prometheus-alertmanager`` or ``alertmanager``); ``apt-get install prometheus prometheus-alertmanager``.
+
+One notification per trial: Alertmanager notifies a *new* group after ``group_wait`` (0 s here), but
+a group that already notified waits for its next ``group_interval`` tick, and a resolved alert's
+group lingers until Alertmanager's maintenance (every 30 s) removes it. With the same labels on every
+trial's alert, every trial after the first would measure ``group_interval``, not the alert path. So
+rank 0's NaN series carries an ``incident`` label (the trial's number; the label is absent on its
+normal values) and the route groups by every label (``group_by: ['...']``): each trial is a new
+alert in a new group, notified at once, the way a first NaN in a run is. The NaN lasts one step, as
+in the rankwatch half; the alert resolves in Prometheus one or two evaluations later, and ``gap``
+(8 steps by default) leaves it gone long before the next.
+
+The scrape and evaluation schedules have fixed phases (Prometheus spreads targets and rule groups
+over the interval by a hash), so a NaN at a fixed point of each second would meet them at the same
+point every trial. A trainer's steps keep no time with Prometheus: before each NaN step rank 0
+pauses for a random 0-1 s, so the trials sample the phase uniformly. What they cannot sample is the
+evaluation's phase relative to rank 0's scrapes: for one Prometheus it is fixed, so the
+scrape-to-evaluation part of the latency is one number per run, somewhere in 0-1 s, drawn anew by
+another run (other ports, another rule file path). The table shows the latency's three parts.
+
+    python bench/prometheus_baseline.py --ranks 1024 --trials 30
+
+Prints a table; asserts nothing. ``bench/scale_latency.py`` runs it after the rankwatch half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import start_http_server
+from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
+
+from rankwatch.broker import free_port
+from rankwatch.sim import QuietRanks
+
+RANKS_PER_TARGET = 256  # a scrape of 256 ranks x 32 metrics costs a Python exporter ~0.15 CPU s (OpenMetrics, gzip)
+WARMUP_S = 5  # after every target is up: a few scrapes and evaluations before the first NaN
+SETTLE_S = 5  # after the last NaN: time for a late alert to arrive
+HOST = "127.0.0.1"
+
+
+def binaries() -> tuple[str, str] | None:
+    """(prometheus, alertmanager) from PATH, or None when either is missing."""
+    prometheus = shutil.which("prometheus")
+    alertmanager = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    return (prometheus, alertmanager) if prometheus and alertmanager else None
+
+
+def prom_name(metric: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_:]", "_", metric)
+
+
+# --- the exporters -----------------------------------------------------------------------------
+
+class QuietCollector:
+    """Ranks ``first .. first + count - 1`` as gauges; a scrape serves the values of the current step."""
+
+    def __init__(self, first: int, count: int, metrics: int, t0: float):
+        self.sim = QuietRanks(run="prometheus", ranks=count, first_rank=first, metrics=metrics)
+        self.names = [prom_name(n) for n in self.sim.names]
+        self.ranks = range(first, first + count)
+        self.t0 = t0
+        self.cached: tuple[int, np.ndarray] | None = None
+
+    def _values(self) -> np.ndarray:
+        # (metrics, ranks) for this step, computed once per step: scrapes may come more than once a step
+        step = max(0, int(time.time() - self.t0))
+        if self.cached is None or self.cached[0] != step:
+            steps = np.array([step])
+            self.cached = step, np.stack([self.sim.values(r, step, steps)[:, 0] for r in self.ranks], axis=1)
+        return self.cached[1]
+
+    def collect(self):
+        values = self._values()
+        for i, name in enumerate(self.names):
+            family = GaugeMetricFamily(name, f"{self.sim.names[i]} of each rank", labels=["rank"])
+            for j, rank in enumerate(self.ranks):
+                family.add_metric([str(rank)], float(values[i, j]))
+            yield family
+
+
+class Rank0Collector:
+    """Rank 0's gauges as the bench sets them; the NaN ``loss`` carries its incident's number."""
+
+    def __init__(self, metrics: int):
+        self.sim = QuietRanks(run="prometheus", ranks=1, metrics=metrics)
+        self.names = [prom_name(n) for n in self.sim.names]
+        self.state: tuple[np.ndarray, str] = (self.sim.values(0, 0, np.array([0]))[:, 0], "")
+
+    def set_step(self, step: int, incident: str = "") -> None:
+        values = self.sim.values(0, step, np.array([step]))[:, 0]
+        if incident:
+            values[0] = np.nan
+        self.state = (values, incident)  # one assignment: a scrape sees a whole step, never half of one
+
+    def collect(self):
+        values, incident = self.state
+        for i, name in enumerate(self.names):
+            labels = ["rank", "incident"] if i == 0 else ["rank"]  # an empty label is no label to Prometheus
+            family = GaugeMetricFamily(name, f"{self.sim.names[i]} of each rank", labels=labels)
+            family.add_metric(["0", incident] if i == 0 else ["0"], float(values[i]))
+            yield family
+
+
+def serve_quiet(first: int, count: int, metrics: int, port: int, t0: float) -> None:
+    """An exporter process's life: serve until terminated, or until the bench that started it is gone."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(QuietCollector(first, count, metrics, t0))
+    start_http_server(port, addr=HOST, registry=registry)
+    parent = os.getppid()
+    while os.getppid() == parent:  # a bench killed with SIGKILL cannot stop us; notice it instead
+        time.sleep(1.0)
+
+
+# --- the webhook -------------------------------------------------------------------------------
+
+class Webhook:
+    """Alertmanager's receiver: when each incident's firing alert arrived, and the false ones."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.seen: dict[int, tuple[float, float]] = {}  # incident -> (received, Prometheus' startsAt)
+        self.false: dict[str, dict] = {}  # labels as JSON -> labels, of each alert on a quiet rank
+        self.posts = 0
+        self.server = ThreadingHTTPServer((HOST, 0), self._handler())
+        self.url = f"http://{HOST}:{self.server.server_address[1]}/"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def _handler(self):
+        webhook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                received = time.time()
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                self.send_response(200)
+                self.end_headers()
+                webhook.note(received, body)
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+    def note(self, received: float, body: dict) -> None:
+        with self.lock:
+            self.posts += 1
+            for alert in body.get("alerts", []):
+                labels = alert["labels"]
+                if alert["status"] != "firing":
+                    continue
+                if labels.get("rank") != "0":
+                    self.false.setdefault(json.dumps(labels, sort_keys=True), labels)
+                elif labels.get("metric") == "loss" and labels.get("incident"):
+                    self.seen.setdefault(int(labels["incident"]), (received, _timestamp(alert["startsAt"])))
+
+    def __enter__(self) -> Webhook:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _timestamp(rfc3339: str) -> float:
+    # Go writes nanoseconds; fromisoformat takes at most microseconds
+    head, _, frac = rfc3339.removesuffix("Z").partition(".")
+    return datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}+00:00").timestamp()
+
+
+# --- the processes -----------------------------------------------------------------------------
+
+def _stop(proc: subprocess.Popen, log) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+
+
+def _start(stack: contextlib.ExitStack, argv: list[str], log_path: Path) -> subprocess.Popen:
+    """Start ``argv`` stopped by ``stack`` whatever happens; its own session, so that a Ctrl-C reaches
+    only the bench, which then stops it in order."""
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    stack.callback(_stop, proc, log)
+    return proc
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return response.read()
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            _get(url)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer: {log_path.read_text(errors='replace')[-2000:]}")
+
+
+def _wait_targets_up(prometheus_url: str, targets: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        active = json.loads(_get(f"{prometheus_url}/api/v1/targets?state=active"))["data"]["activeTargets"]
+        if sum(t["health"] == "up" for t in active) == targets:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"not all {targets} targets up after {timeout_s:.0f} s: {active}")
+
+
+def _rules(names: list[str]) -> dict:
+    rules = [{"alert": "NonFinite", "expr": f"{n} != {n} or abs({n}) == Inf", "for": "0s",
+              "labels": {"metric": n, "severity": "critical"},
+              "annotations": {"summary": f"{n} is NaN or infinite on rank {{{{ $labels.rank }}}}"}} for n in names]
+    return {"groups": [{"name": "nonfinite", "rules": rules}]}
+
+
+def _prometheus_config(targets: list[str], alertmanager: str) -> dict:
+    # JSON is YAML: no YAML writer needed
+    return {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": ["rules.yml"],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]},
+            "scrape_configs": [{"job_name": "ranks", "static_configs": [{"targets": targets}]}]}
+
+
+def _alertmanager_config(webhook_url: str) -> dict:
+    return {"route": {"receiver": "bench", "group_by": ["..."], "group_wait": "0s", "group_interval": "1s",
+                      "repeat_interval": "1h"},
+            "receivers": [{"name": "bench", "webhook_configs": [{"url": webhook_url, "send_resolved": False}]}]}
+
+
+def _start_exporters(stack, tmp: Path, ranks: int, metrics: int, t0: float) -> list[tuple[str, subprocess.Popen]]:
+    """The quiet ranks' exporter processes, (target, process) of each, once each answers."""
+    started = []
+    for first in range(1, ranks + 1, RANKS_PER_TARGET):
+        count, port = min(RANKS_PER_TARGET, ranks + 1 - first), free_port()
+        log = tmp / f"exporter-{first}.log"
+        proc = _start(stack, [sys.executable, os.path.abspath(__file__), "--serve",
+                              str(first), str(count), str(metrics), str(port), repr(t0)], log)
+        started.append((f"{HOST}:{port}", proc, log))
+    for target, proc, log in started:
+        _wait_ready(f"http://{target}/metrics", proc, log)
+    return [(target, proc) for target, proc, _ in started]
+
+
+def _start_alerting(stack, tmp: Path, binaries_: tuple[str, str], targets: list[str], webhook_url: str,
+                    names: list[str]) -> tuple[str, list[subprocess.Popen]]:
+    """Alertmanager, then Prometheus; returns Prometheus' URL and both processes once both are ready."""
+    prometheus, alertmanager = binaries_
+    am_port, prom_port = free_port(), free_port()
+    (tmp / "alertmanager.yml").write_text(json.dumps(_alertmanager_config(webhook_url)))
+    am = _start(stack, [alertmanager, f"--config.file={tmp / 'alertmanager.yml'}", f"--storage.path={tmp / 'am'}",
+                        f"--web.listen-address={HOST}:{am_port}", "--cluster.listen-address="],
+                tmp / "alertmanager.log")
+    _wait_ready(f"http://{HOST}:{am_port}/-/ready", am, tmp / "alertmanager.log")
+    (tmp / "rules.yml").write_text(json.dumps(_rules(names)))
+    (tmp / "prometheus.yml").write_text(json.dumps(_prometheus_config(targets, f"{HOST}:{am_port}")))
+    prom = _start(stack, [prometheus, f"--config.file={tmp / 'prometheus.yml'}",
+                          f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address={HOST}:{prom_port}"],
+                  tmp / "prometheus.log")
+    url = f"http://{HOST}:{prom_port}"
+    _wait_ready(f"{url}/-/ready", prom, tmp / "prometheus.log")
+    return url, [prom, am]
+
+
+def _cpu_s(procs: list[subprocess.Popen]) -> float:
+    """CPU seconds (user + system) the processes used so far."""
+    ticks = 0
+    for proc in procs:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(") ", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+# --- the measurement ---------------------------------------------------------------------------
+
+def _sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.time()))
+
+
+def _drive(rank0: Rank0Collector, trials: int, gap: int, rng: np.random.Generator) -> dict[int, float]:
+    """Rank 0's steps at 1 Hz, one NaN step every ``gap``; returns incident -> when its NaN was served."""
+    served, step, t = {}, 0, time.time()
+    for incident in range(1, trials + 1):
+        for _ in range(gap - 1):
+            step, t = step + 1, t + 1.0
+            _sleep_until(t)
+            rank0.set_step(step)
+        step, t = step + 1, t + 1.0 + rng.uniform(0.0, 1.0)  # see the module's doc string: the phase
+        _sleep_until(t)
+        rank0.set_step(step, str(incident))
+        served[incident] = time.time()
+        t = time.time()
+    _sleep_until(t + 1.0)
+    rank0.set_step(step + 1)
+    return served
+
+
+def _query(prometheus_url: str, promql: str) -> list[dict]:
+    return json.loads(_get(f"{prometheus_url}/api/v1/query?query={urllib.parse.quote(promql)}"))["data"]["result"]
+
+
+def _scraped(prometheus_url: str) -> dict[int, float]:
+    """incident -> the timestamp of its NaN sample in Prometheus, i.e. when that scrape began."""
+    result = _query(prometheus_url, 'loss{rank="0",incident!=""}[1h]')
+    return {int(r["metric"]["incident"]): float(r["values"][0][0]) for r in result}
+
+
+def _slowest_scrape_ms(prometheus_url: str) -> float:
+    # a scrape that took near 1 s would mean the exporters, not Prometheus' schedule, set the pace
+    [r] = _query(prometheus_url, "max(max_over_time(scrape_duration_seconds[1h]))")
+    return float(r["value"][1]) * 1000
+
+
+def _ms(a: list[float], q: float) -> float:
+    return float(np.percentile(np.array(a) * 1000, q)) if len(a) else float("nan")
+
+
+def _summary(served: dict[int, float], scraped: dict[int, float], webhook: Webhook) -> dict:
+    got = [i for i in served if i in webhook.seen]
+    parts = [i for i in got if i in scraped]
+    lat = [webhook.seen[i][0] - served[i] for i in got]
+    to_scrape = [scraped[i] - served[i] for i in parts]
+    to_eval = [webhook.seen[i][1] - scraped[i] for i in parts]
+    to_hook = [webhook.seen[i][0] - webhook.seen[i][1] for i in parts]
+    return {"trials": len(served), "missed": len(served) - len(got),
+            "p50": _ms(lat, 50), "p99": _ms(lat, 99), "max": _ms(lat, 100),
+            "scrape_p50": _ms(to_scrape, 50), "scrape_max": _ms(to_scrape, 100),
+            "eval_p50": _ms(to_eval, 50), "eval_max": _ms(to_eval, 100),
+            "notify_p50": _ms(to_hook, 50), "notify_max": _ms(to_hook, 100),
+            "false": len(webhook.false),
+            "false_kinds": sorted({f"{f.get('metric')}@rank{f.get('rank')}" for f in webhook.false.values()})}
+
+
+def measure_prometheus(ranks: int, metrics: int, trials: int, gap: int, seed: int = 0) -> dict:
+    """Start exporters, Alertmanager and Prometheus, inject ``trials`` NaNs ``gap`` steps apart, stop
+    everything. Returns latencies in ms (p50, p99, max, and the median and max of their three parts),
+    the NaNs without an alert (missed), the alerts on quiet ranks (false), and the cores used."""
+    if gap < 3:
+        raise ValueError("gap must be at least 3 steps: the NaN, its resolution, a normal step")
+    found = binaries()
+    if found is None:
+        raise FileNotFoundError("prometheus and/or prometheus-alertmanager not on PATH")
+    rank0 = Rank0Collector(metrics)
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rankwatch-prometheus-")))
+        webhook = stack.enter_context(Webhook())
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(rank0)
+        rank0_port = free_port()
+        server, _ = start_http_server(rank0_port, addr=HOST, registry=registry)
+        stack.callback(server.server_close)
+        stack.callback(server.shutdown)
+        exporters = _start_exporters(stack, tmp, ranks, metrics, time.time())
+        targets = [f"{HOST}:{rank0_port}", *(target for target, _ in exporters)]
+        url, alerting = _start_alerting(stack, tmp, found, targets, webhook.url, rank0.names)
+        _wait_targets_up(url, len(targets))
+        time.sleep(WARMUP_S)
+        quiet = [proc for _, proc in exporters]
+        began, cpu = time.time(), (_cpu_s(alerting), _cpu_s(quiet))
+        served = _drive(rank0, trials, gap, np.random.default_rng(seed))
+        time.sleep(SETTLE_S)
+        took = time.time() - began
+        return {"ranks": ranks, "targets": len(targets), **_summary(served, _scraped(url), webhook),
+                "slowest_scrape_ms": _slowest_scrape_ms(url),
+                "alerting_cores": (_cpu_s(alerting) - cpu[0]) / took, "exporter_cores": (_cpu_s(quiet) - cpu[1]) / took}
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM unwinds like Ctrl-C, so that the child processes are stopped on the way out."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
+def print_table(rows: list[dict], metrics: int) -> None:
+    load = os.getloadavg()
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load {load[0]:.1f}/{load[1]:.1f}; "
+          f"NaN-to-alert, Prometheus + Alertmanager, {metrics} metrics per rank, 1 step/s, "
+          "1 s scrape and evaluation intervals")
+    print("| quiet ranks | targets | NaNs | missed | p50 ms | p99 ms | max ms | NaN→scrape p50 / max "
+          "| scrape→evaluation p50 / max | evaluation→webhook p50 / max | slowest scrape ms "
+          "| cores: Prometheus + Alertmanager / exporters | alerts on quiet ranks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        kinds = f" ({', '.join(r['false_kinds'][:5])})" if r["false"] else ""
+        print(f"| {r['ranks']} | {r['targets']} | {r['trials']} | {r['missed']} | {r['p50']:.0f} | {r['p99']:.0f} "
+              f"| {r['max']:.0f} | {r['scrape_p50']:.0f} / {r['scrape_max']:.0f} "
+              f"| {r['eval_p50']:.0f} / {r['eval_max']:.0f} | {r['notify_p50']:.0f} / {r['notify_max']:.0f} "
+              f"| {r['slowest_scrape_ms']:.0f} | {r['alerting_cores']:.2f} / {r['exporter_cores']:.2f} "
+              f"| {r['false']}{kinds} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1024], help="quiet ranks (rank 0 comes on top)")
+    ap.add_argument("--metrics", type=int, default=32)
+    ap.add_argument("--trials", type=int, default=30)
+    ap.add_argument("--gap-steps", type=int, default=8, help="steps between NaNs")
+    ap.add_argument("--serve", nargs=5, help=argparse.SUPPRESS)  # an exporter process: first count metrics port t0
+    args = ap.parse_args()
+    if args.serve:
+        first, count, metrics, port, t0 = args.serve
+        serve_quiet(int(first), int(count), int(metrics), int(port), float(t0))
+        return
+    if binaries() is None:
+        print("Prometheus and/or Alertmanager not installed (apt-get install prometheus prometheus-alertmanager)")
+        return
+    exit_on_sigterm()
+    rows = []
+    for n in args.ranks:
+        print(f"measuring Prometheus + Alertmanager on {n} quiet ranks + rank 0, {args.trials} NaNs …", flush=True)
+        rows.append(measure_prometheus(n, args.metrics, args.trials, args.gap_steps))
+    print_table(rows, args.metrics)
+
+
+if __name__ == "__main__":
+    main()
