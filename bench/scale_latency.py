@@ -45,7 +45,7 @@ class AlertWatch(threading.Thread):
 
     def __init__(self, bootstrap: str, run: str):
         super().__init__(daemon=True)
-        self.bootstrap, self.run = bootstrap, run
+        self.bootstrap, self.run_id = bootstrap, run  # not self.run: that is Thread's method
         self.seen_at: dict[int, float] = {}  # incident step -> time read
         self.false: list[Alert] = []
         self.stop = threading.Event()
@@ -63,7 +63,7 @@ class AlertWatch(threading.Thread):
                 now = time.time()
                 for r in records:
                     a = Alert.from_bytes(r.value)
-                    if a.run != self.run or a.status != "firing":
+                    if a.run != self.run_id or a.status != "firing":
                         continue
                     ranks = set(a.ranks) | ({a.rank} if a.rank is not None else set())
                     if a.detector == "nonfinite" and ranks == {0}:
