@@ -9,6 +9,11 @@ latency is from that ``log()`` call to the firing ``nonfinite`` alert being read
 worker, the embedded broker; the broker, the worker, the simulator and this process share the
 machine's cores. Prints a table; asserts nothing.
 
+Then, unless ``--no-prometheus``, the same N ranks through Prometheus + Alertmanager
+(``bench/prometheus_baseline.py``), after the rankwatch stack has stopped so that neither shares the
+cores with the other, and one table of both latencies and their ratio (Prometheus / rankwatch).
+Without the Debian packages ``prometheus`` and ``prometheus-alertmanager`` it says so and skips them.
+
     python bench/scale_latency.py --ranks 128 1024 --trials 30
 """
 
@@ -17,8 +22,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 from kafka import KafkaConsumer, TopicPartition
@@ -30,6 +37,9 @@ from rankwatch.producers import RankPublisher
 from rankwatch.settings import Settings
 from rankwatch.sim import QuietRanks, paced
 from rankwatch.stack import Stack
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prometheus_baseline import binaries, exit_on_sigterm, measure_prometheus  # noqa: E402
 
 WARMUP_STEPS = 20  # detectors warm up, and the worker joins, before the first NaN
 
@@ -114,6 +124,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=30)
     ap.add_argument("--gap-steps", type=int, default=8, help="steps between NaNs (the alert resolves in 5)")
     ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--no-prometheus", action="store_true", help="skip the Prometheus + Alertmanager baseline")
     args = ap.parse_args()
     settings = Settings(data_dir=f"/tmp/rankwatch-scale-{time.time_ns()}", partitions=args.partitions)
     rows = []
@@ -130,6 +141,28 @@ def main() -> None:
         kinds = f" ({', '.join(r['false_kinds'])})" if r["false"] else ""
         print(f"| {r['ranks']} | {(r['ranks'] + 1) * args.metrics:,} | {r['trials']} | {r['missed']} | {r['p50']:.0f} "
               f"| {r['p99']:.0f} | {r['max']:.0f} | {r['false']}{kinds} |")
+    if not args.no_prometheus:
+        compare_with_prometheus(rows, args.metrics, args.trials, args.gap_steps)
+
+
+def compare_with_prometheus(rows: list[dict], metrics: int, trials: int, gap: int) -> None:
+    if binaries() is None:
+        print("\nPrometheus + Alertmanager baseline skipped: no `prometheus` and/or `prometheus-alertmanager` "
+              "on PATH (apt-get install prometheus prometheus-alertmanager)")
+        return
+    exit_on_sigterm()  # a SIGTERM now unwinds, so Prometheus and its exporters are stopped with the bench
+    baseline = []
+    for r in rows:
+        print(f"measuring Prometheus + Alertmanager on {r['ranks']} quiet ranks + rank 0, {trials} NaNs …", flush=True)
+        baseline.append(measure_prometheus(r["ranks"], metrics, trials, gap))
+    print("\nNaN-to-alert, rankwatch (1 worker, embedded broker) against Prometheus + Alertmanager "
+          "(1 s scrape and evaluation intervals, group_wait 0s)")
+    print("| quiet ranks | rankwatch p50 ms | rankwatch p99 ms | Prometheus p50 ms | Prometheus p99 ms "
+          "| ratio p50 | ratio p99 | Prometheus missed | Prometheus alerts on quiet ranks |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r, b in zip(rows, baseline, strict=True):
+        print(f"| {r['ranks']} | {r['p50']:.0f} | {r['p99']:.0f} | {b['p50']:.0f} | {b['p99']:.0f} "
+              f"| {b['p50'] / r['p50']:.1f} | {b['p99'] / r['p99']:.1f} | {b['missed']}/{b['trials']} | {b['false']} |")
 
 
 if __name__ == "__main__":
