@@ -162,7 +162,6 @@ class Webhook:
         self.lock = threading.Lock()
         self.seen: dict[int, tuple[float, float]] = {}  # incident -> (received, Prometheus' startsAt)
         self.false: dict[str, dict] = {}  # labels as JSON -> labels, of each alert on a quiet rank
-        self.posts = 0
         self.server = ThreadingHTTPServer((HOST, 0), self._handler())
         self.url = f"http://{HOST}:{self.server.server_address[1]}/"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -185,7 +184,6 @@ class Webhook:
 
     def note(self, received: float, body: dict) -> None:
         with self.lock:
-            self.posts += 1
             for alert in body.get("alerts", []):
                 labels = alert["labels"]
                 if alert["status"] != "firing":
@@ -301,6 +299,7 @@ def _start_alerting(stack, tmp: Path, binaries_: tuple[str, str], targets: list[
     am_port, prom_port = free_port(), free_port()
     (tmp / "alertmanager.yml").write_text(json.dumps(_alertmanager_config(webhook_url)))
     am = _start(stack, [alertmanager, f"--config.file={tmp / 'alertmanager.yml'}", f"--storage.path={tmp / 'am'}",
+                        # no cluster: one Alertmanager needs no gossip port, nor to wait at start for peers to settle
                         f"--web.listen-address={HOST}:{am_port}", "--cluster.listen-address="],
                 tmp / "alertmanager.log")
     _wait_ready(f"http://{HOST}:{am_port}/-/ready", am, tmp / "alertmanager.log")
