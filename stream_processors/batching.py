@@ -49,9 +49,11 @@ def as_state(found: Any) -> RankState:
 
 
 def process_batch(
-    processor: TelemetryProcessor, batches: Sequence[TelemetryBatch], load: Callable[[str], Any], now: float
+    processor: TelemetryProcessor, batches: Sequence[TelemetryBatch], load: Callable[[str], Any], now: float,
+    partitions: Sequence[int] | None = None,
 ) -> Stage1Output:
-    """Apply ``batches`` in order; ``load(key)`` reads a rank's stored state (None if new)."""
+    """Apply ``batches`` in order; ``load(key)`` reads a rank's stored state (None if new);
+    ``partitions``: the telemetry partition each came from, which stage 2's stall rule reads."""
     out = Stage1Output()
     progress: dict[str, list[RankProgress]] = {}  # run -> progress not sent yet, in order
 
@@ -74,7 +76,8 @@ def process_batch(
                 item = RankProgress(
                     run=batch.run, rank=batch.rank, world_size=batch.world_size,
                     last_step=-1 if result.last_step is None else result.last_step, ts=batch.ts,
-                    series=result.cross_rank, final=batch.final)
+                    series=result.cross_rank, final=batch.final,
+                    partition=-1 if partitions is None else partitions[index])
                 if _may_be_too_large(item):
                     encoded(item)  # a progress too large to send fails this message, as it did alone
         except Exception as exc:  # a bug must not stop the worker; the caller dead-letters the message

@@ -91,7 +91,8 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     async def process_telemetry(stream):
         async for events in stream.noack_take(TAKE_MAX, within=TAKE_WITHIN_S):
             good = [(e, b) async for e, b in decoded(_each(events), TelemetryBatch.from_bytes, dead_letter, "telemetry")]
-            out = process_batch(processor, [b for _, b in good], lambda key: unwritten.get(key.encode()), time.time())
+            out = process_batch(processor, [b for _, b in good], lambda key: unwritten.get(key.encode()), time.time(),
+                                [e.message.partition for e, _ in good])
             for index, exc in out.failed:  # a bug must not stop the worker; the message is kept
                 event = good[index][0]
                 log.error("processing %s[%d]@%d failed", event.message.topic, event.message.partition,

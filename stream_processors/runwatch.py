@@ -26,8 +26,9 @@ stall and no straggler (issue 16). The run's "now" is its newest batch's timesta
 since the run's last message arrived: while messages flow, however late, only the ranks' own
 stamps count; once none arrive, silence grows with the wall clock, as a stopped run's should. A
 rank is stalled alone only if it is silent both ways: behind its peers' stamps *and* with no new
-step arriving for the bound (a rank whose partition the worker reads later than others' is late,
-not stalled). Rank clocks are assumed synchronised to well under a stall bound (NTP: milliseconds;
+step arriving for the bound; and where other ranks share its telemetry partition, only once they
+have been read a bound past its last step (a rank whose partition the worker reads later than
+others' is late, not stalled). Rank clocks are assumed synchronised to well under a stall bound (NTP: milliseconds;
 the default bound is at least 10 s).
 
 The worker's side of that is measured on an :class:`OutageClock`, which stops while the worker
@@ -38,6 +39,7 @@ the rank.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -156,6 +158,10 @@ class RunWatch:
     arrived: float = -math.inf
     stepped: dict[int, float] = field(default_factory=dict)
     clock: float = -math.inf  # the outage clock's reading at the last change
+    # The telemetry partition of each rank, and the newest stamp read from each partition: a worker
+    # behind on one partition gets its ranks' steps late, all together, whatever the others show.
+    partition_of: dict[int, int] = field(default_factory=dict)
+    partition_ts: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-able and versioned. Times on the outage clock are stored as ages at ``clock``: each
@@ -174,6 +180,8 @@ class RunWatch:
             "latest_ts": None if math.isinf(self.latest_ts) else self.latest_ts,
             "arrived_age_s": age(self.arrived),
             "stepped_age_s": {str(r): age(t) for r, t in self.stepped.items()},
+            "partition_of": {str(r): p for r, p in self.partition_of.items()},
+            "partition_ts": {str(p): t for p, t in self.partition_ts.items()},
         }
 
     __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
@@ -207,6 +215,9 @@ class RunWatch:
             latest_ts=-math.inf if d["latest_ts"] is None else d["latest_ts"],
             arrived=back(d["arrived_age_s"]), stepped={int(r): back(a) for r, a in d["stepped_age_s"].items()},
             clock=clock,
+            # added within version 2: a watch stored without them learns them from the next events
+            partition_of={int(r): int(p) for r, p in d.get("partition_of", {}).items()},
+            partition_ts={int(p): float(t) for p, t in d.get("partition_ts", {}).items()},
         )
 
     def event_now(self, clock: float) -> float:
@@ -240,6 +251,10 @@ class RunWatcher:
         watch.latest_ts, watch.arrived, watch.clock = max(watch.latest_ts, progress.ts), clock, clock
         at = watch.event_now(clock)
         watch.heard[progress.rank] = progress.ts
+        if progress.partition >= 0:
+            watch.partition_of[progress.rank] = progress.partition
+            watch.partition_ts[progress.partition] = max(watch.partition_ts.get(progress.partition, -math.inf),
+                                                         progress.ts)
         newer = progress.last_step > watch.last_step.get(progress.rank, -1)
         if progress.final:
             # Recording its last step means a stray later heartbeat at that step is no sign of life;
@@ -314,6 +329,16 @@ class RunWatcher:
         last_arrival = max(watch.stepped.values(), default=-math.inf)
         stalled = {s.rank: s for s in stall.check(now)
                    if clock - (last_arrival if s.rank is None else watch.stepped.get(s.rank, -math.inf)) >= s.bound_s}
+        # And, for a rank, by its partition: the other ranks on it have been read a bound past its last
+        # step. A worker far behind on one partition (a backlog of thousands of ranks) can go longer
+        # than a bound without reaching it while it reads the others; its ranks are late, not stalled.
+        # A rank alone on its partition (or on one not known) has no such witnesses: the rule above decides.
+        sharing = Counter(watch.partition_of.values())
+        for rank in [r for r in stalled if r is not None]:
+            p = watch.partition_of.get(rank)
+            if p is not None and sharing[p] > 1 and (
+                    watch.partition_ts[p] - stall.last_seen.get(rank, math.inf) < stalled[rank].bound_s):
+                del stalled[rank]
         run = stalled.pop(None, None)
         if run is None:
             return stalled, [], ""

@@ -58,6 +58,7 @@ class RankProgress:
     ts: float
     series: dict[str, Series]
     final: bool = False  # the rank's publisher closed: stop watching it for stalls
+    partition: int = -1  # of the telemetry topic, where stage 1 read it (-1: not known)
 
     KIND = "rank_progress"
     TOPIC = RUN_EVENTS
@@ -72,7 +73,7 @@ class RankProgress:
     def to_dict(self) -> dict:
         return {
             "run": self.run, "rank": self.rank, "world_size": self.world_size, "last_step": self.last_step,
-            "ts": self.ts, "series": encode_series(self.series), "final": self.final,
+            "ts": self.ts, "series": encode_series(self.series), "final": self.final, "partition": self.partition,
         }
 
     @classmethod
@@ -86,6 +87,7 @@ class RankProgress:
             world_size=field_of(obj, "world_size", int), last_step=field_of(obj, "last_step", int),
             ts=ts_field(obj), series=decode_series(field_of(obj, "series", dict)),
             final=field_of(obj, "final", bool) if "final" in obj else False,
+            partition=field_of(obj, "partition", int) if "partition" in obj else -1,
         )
 
 
