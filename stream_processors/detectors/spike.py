@@ -285,7 +285,10 @@ class RobustSpike(Detector):
         if not math.isfinite(value):
             return 0.0  # as there: scored 0 and not learned
         history = self.history
-        if self.period or self.trending or len(history) < self.warmup:
+        if len(history) < self.warmup:  # warming up: learned, not judged (z unknown, as there)
+            self._smallest = None  # found afresh once judging begins
+            return self._learn_one(float(self._transform(np.array([value]))[0]), 0.0, 0.0)
+        if self.period or self.trending:
             return None
         x = float(self._transform(np.array([value]))[0])
         rows = history[-self.window :]
@@ -306,10 +309,15 @@ class RobustSpike(Detector):
             return None
         # What the general path does to a quiet point: no continuation, no run, no alarm.
         self.calib.learn(deviation)
-        self.run, self.last_z = 0, z
-        history.append(x)
-        del history[: -self.span]
-        self._track_smallest(history)
+        self.run = 0
+        return self._learn_one(x, z, score)
+
+    def _learn_one(self, x: float, z: float, score: float) -> float:
+        """The one-point path's end: ``x`` joins the history with ``z`` (0 while warming up); returns ``score``."""
+        self.last_z = z
+        self.history.append(x)
+        del self.history[: -self.span]
+        self._track_smallest(self.history)
         self.seen += 1
         self._look_for_period()
         return score
