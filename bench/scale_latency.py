@@ -44,9 +44,10 @@ from prometheus_baseline import binaries, exit_on_sigterm, measure_prometheus  #
 WARMUP_STEPS = 20  # detectors warm up, and the worker joins, before the first NaN
 
 
-def _simulate(bootstrap: str, run: str, ranks: int, metrics: int, ticks: int, start_at: float) -> None:
+def _simulate(bootstrap: str, run: str, ranks: int, metrics: int, ticks: int, start_at: float,
+              binary: bool = False) -> None:
     time.sleep(max(0.0, start_at - time.time()))
-    sim = QuietRanks(run=run, ranks=ranks, first_rank=1, world_size=ranks + 1, metrics=metrics)
+    sim = QuietRanks(run=run, ranks=ranks, first_rank=1, world_size=ranks + 1, metrics=metrics, binary=binary)
     paced(bootstrap, [sim], hz=1.0, ticks=ticks)
 
 
@@ -83,7 +84,7 @@ class AlertWatch(threading.Thread):
         consumer.close()
 
 
-def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int) -> dict:
+def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int, binary: bool = False) -> dict:
     run = f"scale-{ranks}-{time.time_ns()}"
     ticks = WARMUP_STEPS + trials * gap + 3
     watch = AlertWatch(bootstrap, run)
@@ -91,7 +92,7 @@ def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int) -> 
     watch.ready.wait(30)
     start_at = time.time() + 2.0  # the simulator process imports and connects meanwhile
     sim = multiprocessing.get_context("spawn").Process(
-        target=_simulate, args=(bootstrap, run, ranks, metrics, ticks, start_at), daemon=True)
+        target=_simulate, args=(bootstrap, run, ranks, metrics, ticks, start_at, binary), daemon=True)
     sim.start()
     me = QuietRanks(run=run, ranks=1, world_size=ranks + 1, metrics=metrics)
     publisher = RankPublisher(run=run, rank=0, world_size=ranks + 1, bootstrap=bootstrap, samplers=[])
@@ -125,16 +126,18 @@ def main() -> None:
     ap.add_argument("--gap-steps", type=int, default=8, help="steps between NaNs (the alert resolves in 5)")
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--no-prometheus", action="store_true", help="skip the Prometheus + Alertmanager baseline")
+    ap.add_argument("--format", choices=["json", "binary"], default="json",
+                    help="the quiet ranks' wire format (rank 0's publisher writes binary, its default)")
     args = ap.parse_args()
     settings = Settings(data_dir=f"/tmp/rankwatch-scale-{time.time_ns()}", partitions=args.partitions)
     rows = []
     with Stack(settings, embedded=True, port=free_port()) as stack:
         for n in args.ranks:
             print(f"measuring {n} quiet ranks + 1 publisher, {args.trials} NaNs …", flush=True)
-            rows.append(measure(stack.bootstrap, n, args.metrics, args.trials, args.gap_steps))
+            rows.append(measure(stack.bootstrap, n, args.metrics, args.trials, args.gap_steps, args.format == "binary"))
     load = os.getloadavg()
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load {load[0]:.1f}/{load[1]:.1f}; "
-          f"NaN-to-alert, 1 worker, {args.metrics} metrics per rank, 1 step/s")
+          f"NaN-to-alert, 1 worker, {args.metrics} metrics per rank, 1 step/s, quiet ranks in {args.format}")
     print("| quiet ranks | values/s | NaNs | missed | p50 ms | p99 ms | max ms | alerts on quiet ranks |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -49,6 +49,7 @@ class QuietRanks:
     world_size: int = 0  # 0: ``ranks``
     seed: int = 0
     producer: str = "sim"
+    binary: bool = False  # the columnar form (schema 2), as ``RankPublisher`` writes, instead of JSON
     #: (rank, step) -> "nan" | "spike" | "slow"; applied to the first metric ("slow": compute_time_s)
     faults: dict[tuple[int, int], str] = field(default_factory=dict)
 
@@ -89,7 +90,7 @@ class QuietRanks:
         out = []
         for rank in range(self.first_rank, self.first_rank + self.ranks):
             b = self.batch(rank, tick, ts=ts, final=final)
-            out.append((b.key, b.to_bytes()))
+            out.append((b.key, b.to_bytes(binary=self.binary)))
         return out
 
 
