@@ -10,8 +10,9 @@ rebalance empties in place) and drops the rest. Unless another rebalance seeks t
 nothing ever reads those records again. (The same family: faust-streaming issues 216 and 221.)
 
 The watch asks, every few seconds while the worker is idle (no message delivered and not yet
-acknowledged): is a partition's fetch position beyond what Faust delivered or committed? Twice in
-a row with nothing changing, it is stuck, and the worker seeks it back to its committed offset.
+acknowledged): is a partition's fetch position, or its end, beyond what Faust delivered or
+committed? Twice in a row with nothing changing, it is stuck, and the worker seeks it back to its
+committed offset.
 Replays are harmless (every stage drops what it already applied); a record never read is not.
 """
 
@@ -27,11 +28,15 @@ class Offsets:
     position: int | None  # the consumer's fetch position: the next offset aiokafka returns
     delivered: int | None  # the last offset Faust gave a stream (or its seek target after a seek)
     committed: int | None  # the group's committed offset: the next one to process after a restart
+    end: int | None = None  # the partition's end offset (its high watermark)
 
     def behind(self) -> bool:
-        """Whether records were fetched that Faust neither delivered nor committed past."""
+        """Whether the partition holds records, fetched or not, that Faust neither delivered nor
+        committed past. Not fetched at all was seen too: a worker restarted after a kill sat idle
+        for good with one partition at its committed offset, records after it (issue 19)."""
         done = max(-1 if self.delivered is None else self.delivered, -1 if self.committed is None else self.committed - 1)
-        return self.position is not None and self.position > done + 1
+        last = max((o for o in (self.position, self.end) if o is not None), default=None)
+        return last is not None and last > done + 1
 
 
 @dataclass

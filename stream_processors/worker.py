@@ -89,15 +89,22 @@ def build_app(settings: Settings) -> faust.App:
         consumer = app.consumer
         if app.rebalancing:
             return
-        offsets = {tp: Offsets(await consumer.position(tp), consumer._read_offset.get(tp),
-                               consumer._committed_offset.get(tp))
-                   for tp in consumer.assignment() if tp.topic in _STREAMED and tp not in consumer._paused_partitions}
         idle = not consumer._unacked_messages and not app.rebalancing
+        watched = [tp for tp in consumer.assignment() if tp.topic in _STREAMED and tp not in consumer._paused_partitions]
+        # End offsets cost a request (on Tansu, a probe consumer): asked for only when they can tell.
+        try:
+            ends = await consumer.highwaters(*watched) if idle and watched else {}
+        except Exception as exc:  # a broker away: the next check asks again
+            log.info("end offsets not known now (%s); checking partitions without them", exc)
+            ends = {}
+        offsets = {tp: Offsets(await consumer.position(tp), consumer._read_offset.get(tp),
+                               consumer._committed_offset.get(tp), ends.get(tp))
+                   for tp in watched}
         for tp in fetches.check(idle=idle, offsets=offsets):
             seen = offsets[tp]
             back = seen.committed or 0
-            log.warning("%s[%d]: fetched up to offset %d but given to no stream past %s; reading it again from %d",
-                        tp.topic, tp.partition, seen.position, seen.delivered, back)
+            log.warning("%s[%d]: holds records to offset %s (fetched to %s) but gave no stream any past %s; "
+                        "reading it again from %d", tp.topic, tp.partition, seen.end, seen.position, seen.delivered, back)
             await consumer.seek(tp, back)
 
     parent = os.environ.get(PARENT_ENV)

@@ -39,3 +39,15 @@ def test_partitions_read_to_their_end_are_never_behind():
     watch = FetchWatch()
     offsets = {i: o for i, o in enumerate(caught_up)}
     assert watch.check(idle=True, offsets=offsets) == [] and watch.check(idle=True, offsets=offsets) == []
+
+
+def test_a_partition_never_fetched_with_records_after_its_commit_is_sought_back_too():
+    # What a restarted worker showed: position at the committed offset, records after it, nothing
+    # delivered, idle for good.
+    unread = Offsets(position=16, delivered=None, committed=16, end=30)
+    assert unread.behind()
+    watch = FetchWatch()
+    assert watch.check(idle=True, offsets={"p1": unread}) == []
+    assert watch.check(idle=True, offsets={"p1": unread}) == ["p1"]
+    at_end = Offsets(position=30, delivered=29, committed=30, end=30)
+    assert not at_end.behind()
