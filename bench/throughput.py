@@ -3,8 +3,9 @@
 For each worker count: a fresh embedded broker, a telemetry topic preloaded with N simulated ranks
 x K messages x (S steps x M metrics) in the documented JSON format (``rankwatch.sim``), then
 
-1. a plain kafka-python consumer reads every message and json-decodes it into numpy arrays (the
-   floor any consumer of this format pays), timed in the same run;
+1. a plain aiokafka consumer reads every message and decodes it into numpy arrays (json, or msgpack
+   and ``frombuffer`` with ``--format binary``: the floor any consumer of the format pays), timed in
+   the same run;
 2. the contract decode alone (``TelemetryBatch.from_bytes`` on the bytes read in 1, no I/O);
 3. ``rankwatch worker`` processes (1, 2, 4 … of them, one consumer group): timed from its first
    run event to the last rank's ``final`` progress on ``rankwatch.run_events``, which stage 1
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 import aiokafka
+import msgpack
 import numpy as np
 from kafka import KafkaConsumer, TopicPartition
 
@@ -74,15 +76,24 @@ async def _plain_read(bootstrap: str, expected: int) -> tuple[float, float, list
     while len(raw) < expected:
         for records in (await consumer.getmany(timeout_ms=200, max_records=5000)).values():
             for r in records:
-                obj = json.loads(r.value)
-                for s in obj["series"].values():
-                    # what any reader of the format pays ("NaN" strings would need a slower path)
-                    np.asarray(s["steps"], dtype=np.int64)
-                    values += len(np.asarray(s["values"], dtype=np.float64))
+                values += _plain_decode(r.value)
                 raw.append(r.value)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     await consumer.stop()
     return wall, cpu, raw
+
+
+def _plain_decode(data: bytes) -> int:
+    """What any reader of the format pays to get a message's points as numpy arrays; returns their count."""
+    if data[:1] == b"\xc1":  # schema 2: msgpack, the points as raw little-endian columns
+        obj = msgpack.unpackb(data[1:])
+        np.frombuffer(obj["steps"], dtype="<i8")
+        return len(np.frombuffer(obj["values"], dtype="<f8"))
+    n = 0
+    for s in json.loads(data)["series"].values():  # ("NaN" strings would need a slower path)
+        np.asarray(s["steps"], dtype=np.int64)
+        n += len(np.asarray(s["values"], dtype=np.float64))
+    return n
 
 
 def contract_decode(raw: list[bytes]) -> float:
@@ -135,7 +146,8 @@ def trial(args, workers: int) -> dict:
     with stack:
         stack.n_workers = workers
         run = f"tp-{time.time_ns()}"
-        sim = QuietRanks(run=run, ranks=args.ranks, metrics=args.metrics, steps_per_message=args.steps)
+        sim = QuietRanks(run=run, ranks=args.ranks, metrics=args.metrics, steps_per_message=args.steps,
+                         binary=args.format == "binary")
         print(f"[{workers} worker(s)] preloading {args.ranks * args.messages:,} messages …", flush=True)
         msgs = (m for tick in range(args.messages) for m in sim.messages(tick, final=tick == args.messages - 1))
         sent = produce(stack.bootstrap, msgs)
@@ -162,27 +174,38 @@ def profile_stage1(args) -> None:
     from rankwatch.stream_processors.processor import TelemetryProcessor
     from rankwatch.stream_processors.tables import STATE_CODEC
 
-    sim = QuietRanks(run="profile", ranks=args.ranks, metrics=args.metrics, steps_per_message=args.steps)
+    sim = QuietRanks(run="profile", ranks=args.ranks, metrics=args.metrics, steps_per_message=args.steps,
+                     binary=args.format == "binary")
     raw = [v for tick in range(args.messages) for _, v in sim.messages(tick, final=tick == args.messages - 1)]
     processor = TelemetryProcessor()
 
     codec = codecs.get_codec(STATE_CODEC)
 
+    ticks: list[float] = []  # CPU seconds of each tick, the last run's
+
     def work() -> None:
         table: dict[str, object] = {}
+        ticks.clear()
         for tick, lo in enumerate(range(0, len(raw), args.ranks)):  # one take: every rank's message of a tick
+            started = time.process_time()
             batches = [TelemetryBatch.from_bytes(data) for data in raw[lo : lo + args.ranks]]
             out = process_batch(processor, batches, table.get, time.time())
             table.update(out.states)
             if tick % STATE_EVERY_S == 0:  # what the worker writes to the changelog, a tick being a second
                 for state in out.states.values():
                     codec.dumps(state)
+            ticks.append(time.process_time() - started)
 
     values = len(raw) * args.steps * args.metrics
     cpu = time.process_time()
     work()
     cpu = time.process_time() - cpu
     print(f"{values:,} values in {cpu:.2f} CPU s: {values / cpu / 1e6:.3f} M values per CPU-second (no profiler)")
+    # The detectors warm up over their first 40 points: the second half of a long run is the steady state.
+    half = len(ticks) // 2
+    for name, part in (("first half of the ticks", ticks[:half]), ("second half", ticks[half:])):
+        if part:
+            print(f"  {name}: {sum(part) / (len(part) * args.ranks) * 1e6:,.0f} us CPU per message")
     if args.profile == "pyinstrument":  # sampling: no per-call overhead, but wall time
         from pyinstrument import Profiler
 
@@ -210,6 +233,8 @@ def main() -> None:
     ap.add_argument("--metrics", type=int, default=16)
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--workers", type=int, nargs="+", default=[1])
+    ap.add_argument("--format", choices=["json", "binary"], default="json",
+                    help="the simulated ranks' wire format (binary: schema 2, what RankPublisher writes)")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--profile", nargs="?", const="cprofile", choices=["cprofile", "pyinstrument"],
                     help="profile stage 1 in this process, no broker (pyinstrument: if installed)")
