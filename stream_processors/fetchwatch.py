@@ -10,9 +10,10 @@ rebalance empties in place) and drops the rest. Unless another rebalance seeks t
 nothing ever reads those records again. (The same family: faust-streaming issues 216 and 221.)
 
 The watch asks, every few seconds while the worker is idle (no message delivered and not yet
-acknowledged): is a partition's fetch position, or its end, beyond what Faust delivered or
-committed? Twice in a row with nothing changing, it is stuck, and the worker seeks it back to its
-committed offset.
+acknowledged): is a partition's fetch position, or its end, beyond its committed offset? Twice in a
+row with nothing changing (an acknowledged record is committed within Faust's commit interval), it
+is stuck, and the worker seeks it back to its committed offset, which also resets the offset Faust
+skips records below.
 Replays are harmless (every stage drops what it already applied); a record never read is not.
 """
 
@@ -31,12 +32,17 @@ class Offsets:
     end: int | None = None  # the partition's end offset (its high watermark)
 
     def behind(self) -> bool:
-        """Whether the partition holds records, fetched or not, that Faust neither delivered nor
-        committed past. Not fetched at all was seen too: a worker restarted after a kill sat idle
-        for good with one partition at its committed offset, records after it (issue 19)."""
-        done = max(-1 if self.delivered is None else self.delivered, -1 if self.committed is None else self.committed - 1)
+        """Whether the partition holds records past its committed offset. On an idle worker (every
+        record Faust gave a stream was acknowledged) those are records no stream will ever get:
+        fetched and dropped, or never fetched at all (a restarted worker sat idle for good with a
+        partition at its committed offset and records after it, issue 19).
+
+        Faust's own last delivered offset is no guide: its fetch loop sets it after handing a record
+        over, also when a rebalance made it give that record up, and records below it are then
+        skipped as already read. Trusting it, this watch stayed silent while two ranks' first
+        windows never rolled up after a 1 -> 2 worker rebalance (3-broker cluster, 2026-12-03)."""
         last = max((o for o in (self.position, self.end) if o is not None), default=None)
-        return last is not None and last > done + 1
+        return last is not None and last > (self.committed or 0)
 
 
 @dataclass

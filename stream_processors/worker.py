@@ -103,8 +103,9 @@ def build_app(settings: Settings) -> faust.App:
         for tp in fetches.check(idle=idle, offsets=offsets):
             seen = offsets[tp]
             back = seen.committed or 0
-            log.warning("%s[%d]: holds records to offset %s (fetched to %s) but gave no stream any past %s; "
-                        "reading it again from %d", tp.topic, tp.partition, seen.end, seen.position, seen.delivered, back)
+            log.warning("%s[%d]: holds records to offset %s (fetched to %s) past its commit %s with nothing in "
+                        "flight; reading it again from %d", tp.topic, tp.partition, seen.end, seen.position,
+                        seen.committed, back)
             await consumer.seek(tp, back)
 
     parent = os.environ.get(PARENT_ENV)

@@ -84,7 +84,7 @@ def test_a_crashed_worker_loses_no_alert_and_repeats_only_the_same_transition(ow
         (alerts[0]["key"], "firing", alerts[0]["incident"], tuple(alerts[0]["ranks"]))}, alerts
 
 
-def _changelog(bootstrap: str, topic: str, keys: set[bytes], timeout_s: float = 30.0) -> dict[bytes, tuple[int, bytes]]:
+def _changelog(bootstrap: str, topic: str, keys: set[bytes], timeout_s: float = 60.0) -> dict[bytes, tuple[int, bytes]]:
     """The newest record of each of ``keys`` on ``topic``: key -> (partition, value), once all are there."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50,
                              auto_offset_reset="earliest", max_partition_fetch_bytes=4 << 20)
