@@ -41,7 +41,7 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
     )
 
     extra = {}
-    scheme = "kafka"
+    scheme = "rankwatch-kafka"  # an idempotent producer (``kafka_transport``)
     if flavor == "tansu":
         from rankwatch.stream_processors import tansu
 
