@@ -20,7 +20,7 @@ from kafka.admin import NewTopic
 
 from rankwatch.admin import detect_flavor
 from rankwatch.settings import Settings
-from rankwatch.stream_processors import tansu
+from rankwatch.stream_processors import kafka_transport, tansu
 from rankwatch.stream_processors.app import make_app
 
 pytestmark = pytest.mark.broker
@@ -136,8 +136,9 @@ def test_tansu_flavor_transport_sets_short_fetch_wait(bootstrap, tmp_path):
     (t_transport, t_thread, t_wait, t_fetcher_wait), (k_transport, k_thread, k_wait, _) = asyncio.run(main())
     assert t_transport is tansu.Transport and t_thread is tansu.ConsumerThread
     assert t_wait == t_fetcher_wait == tansu.FETCH_MAX_WAIT_MS
-    # flavor="kafka": Faust's stock transport, workaround inactive.
-    assert k_transport is faust_aiokafka.Transport and not issubclass(k_transport, tansu.Transport)
+    # flavor="kafka": Faust's transport (with an idempotent producer, kafka_transport), workaround inactive.
+    assert k_transport is kafka_transport.Transport and issubclass(k_transport, faust_aiokafka.Transport)
+    assert not issubclass(k_transport, tansu.Transport)
     assert k_thread is faust_aiokafka.AIOKafkaConsumerThread
     assert k_wait == 1500  # Faust's hard-coded value, the reason for the workaround
 
