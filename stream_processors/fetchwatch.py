@@ -9,17 +9,19 @@ stops handing them over (the generation check, and the active-partition filter, 
 rebalance empties in place) and drops the rest. Unless another rebalance seeks the partition back,
 nothing ever reads those records again. (The same family: faust-streaming issues 216 and 221.)
 
-The watch asks, every few seconds while the worker is idle (no message delivered and not yet
-acknowledged): is a partition's fetch position, or its end, beyond its committed offset? Twice in a
-row with nothing changing (an acknowledged record is committed within Faust's commit interval), it
-is stuck, and the worker seeks it back to its committed offset, which also resets the offset Faust
-skips records below.
+The watch asks, every second, of each partition with no record given to a stream and not yet
+acknowledged: is its fetch position, or its end, beyond its committed offset? Seen so for four
+seconds with nothing changing (an acknowledged record is committed within Faust's commit interval),
+it is stuck, and the worker seeks it back to its committed offset, which also resets the offset
+Faust skips records below. Per partition, not per worker: a worker that always has some records
+in flight (acknowledgements wait for the state writes, every 5 s) would otherwise never check, and
+a partition stuck for longer than a stall bound makes its ranks look stalled.
 Replays are harmless (every stage drops what it already applied); a record never read is not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -47,18 +49,19 @@ class Offsets:
 
 @dataclass
 class FetchWatch:
-    patience: int = 2  # checks in a row that see the same partition behind and unchanged
+    # Checks in a row that see the same partition behind and unchanged; at one check a second, four
+    # seconds, over Faust's commit interval (2.8 s), so a partition acknowledged but not yet
+    # committed is never taken for stuck.
+    patience: int = 5
     _suspects: dict[Hashable, tuple[Offsets, int]] = field(default_factory=dict)
 
-    def check(self, *, idle: bool, offsets: Mapping[Hashable, Offsets]) -> list[Hashable]:
-        """The partitions to seek back: behind, unchanged, on ``patience`` idle checks in a row."""
-        if not idle:  # records may be on their way to a stream: nothing can be told
-            self._suspects.clear()
-            return []
+    def check(self, *, busy: Collection[Hashable], offsets: Mapping[Hashable, Offsets]) -> list[Hashable]:
+        """The partitions to seek back: behind, unchanged, and not ``busy`` (records given to a
+        stream and not yet acknowledged) on ``patience`` checks in a row."""
         suspects, stuck = {}, []
         for tp, now in offsets.items():
-            if not now.behind():
-                continue
+            if tp in busy or not now.behind():
+                continue  # busy: records may be on their way to a stream, nothing can be told
             before, seen = self._suspects.get(tp, (None, 0))
             seen = seen + 1 if before == now else 1
             if seen >= self.patience:

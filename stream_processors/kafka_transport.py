@@ -1,4 +1,5 @@
-"""Faust's Kafka transport for Apache Kafka, with an idempotent producer.
+"""Faust's Kafka transport for Apache Kafka, with an idempotent producer (and rankwatch's consumer,
+which fetches again what Faust fetched and dropped: ``consumer``).
 
 A partition leader killed after it wrote a batch but before it answered makes aiokafka send the
 batch again, and without idempotence the retry is a second copy of every output in it: rollups
@@ -19,6 +20,8 @@ from typing import Any
 
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from rankwatch.stream_processors import consumer
+
 
 class Producer(faust_aiokafka.Producer):
     def _settings_extra(self) -> Mapping[str, Any]:
@@ -28,4 +31,5 @@ class Producer(faust_aiokafka.Producer):
 class Transport(faust_aiokafka.Transport):
     """Faust's aiokafka transport whose producer is idempotent; selected by ``rankwatch-kafka://host:port``."""
 
+    Consumer = consumer.Consumer
     Producer = Producer

@@ -18,6 +18,8 @@ import aiokafka
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
+from rankwatch.stream_processors import consumer
+
 log = logging.getLogger(__name__)
 
 #: Quirk 2: JoinGroup is held for half the session timeout; Faust's 60 s default means a 30 s join.
@@ -82,7 +84,7 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         return await true_end_offsets(bootstrap, reported)
 
 
-class Consumer(faust_aiokafka.Consumer):
+class Consumer(consumer.Consumer):
     def _new_consumer_thread(self) -> ConsumerThread:
         return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
 

@@ -13,8 +13,9 @@ Three things no Faust setting gives, added here:
   leave it waiting for good) the process exits anyway. The signals are taken by a thread of our
   own (``sigwait``), so they are heard in every state, even when the event loop no longer runs.
 - **No partition left behind.** Records Faust took from the consumer but dropped during a rebalance
-  are never read again unless something seeks back; a :class:`FetchWatch` finds such partitions on
-  an idle worker and seeks them back to their committed offset.
+  are never read again unless something seeks back; rankwatch's consumer (``consumer``) seeks back
+  what it sees dropped, and a :class:`FetchWatch` finds any partition left with records past its
+  commit and none in flight, and seeks it back to its committed offset.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from rankwatch.stream_processors.runwatch import OutageClock
 log = logging.getLogger(__name__)
 
 STOP_DEADLINE_S = 8.0  # SIGTERM to exit, at most (the promise is 10 s)
-FETCH_CHECK_S = 5.0  # how often an idle worker checks for partitions fetched but never delivered
+FETCH_CHECK_S = 1.0  # how often the worker checks for partitions with records no stream was given
+ENDS_EVERY_S = 5.0  # how often it asks for their end offsets
 _STREAMED = (*contract.TOPICS, *contract.INTERNAL_TOPICS)
 NEW_BROKER_LINE = "rankwatch worker: the broker came back empty"  # tests and users look for this
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
@@ -83,24 +85,27 @@ def build_app(settings: Settings) -> faust.App:
         await watch.run()
 
     fetches = FetchWatch()
+    ends: dict = {}  # the watched partitions' end offsets, asked every ENDS_EVERY_S
+    asked = [float("-inf")]
 
     @app.timer(interval=FETCH_CHECK_S)
     async def unstick_partitions():
         consumer = app.consumer
         if app.rebalancing:
             return
-        idle = not consumer._unacked_messages and not app.rebalancing
+        busy = {message.tp for message in list(consumer._unacked_messages)}
         watched = [tp for tp in consumer.assignment() if tp.topic in _STREAMED and tp not in consumer._paused_partitions]
-        # End offsets cost a request (on Tansu, a probe consumer): asked for only when they can tell.
-        try:
-            ends = await consumer.highwaters(*watched) if idle and watched else {}
-        except Exception as exc:  # a broker away: the next check asks again
-            log.info("end offsets not known now (%s); checking partitions without them", exc)
-            ends = {}
+        # End offsets cost a request (on Tansu, a probe consumer); they only tell of records never fetched.
+        if watched and time.monotonic() - asked[0] >= ENDS_EVERY_S:
+            asked[0] = time.monotonic()
+            try:
+                ends.update(await consumer.highwaters(*watched))
+            except Exception as exc:  # a broker away: the next time asks again
+                log.info("end offsets not known now (%s); checking partitions without them", exc)
         offsets = {tp: Offsets(await consumer.position(tp), consumer._read_offset.get(tp),
                                consumer._committed_offset.get(tp), ends.get(tp))
                    for tp in watched}
-        for tp in fetches.check(idle=idle, offsets=offsets):
+        for tp in fetches.check(busy=busy, offsets=offsets):
             seen = offsets[tp]
             back = seen.committed or 0
             log.warning("%s[%d]: holds records to offset %s (fetched to %s) past its commit %s with nothing in "

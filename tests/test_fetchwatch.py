@@ -1,4 +1,5 @@
-"""``FetchWatch``: a partition fetched past what Faust delivered, on an idle worker, is sought back
+"""Records Faust fetched but never gave a stream are read again: at once by the consumer, or by
+``FetchWatch``, which seeks back a partition with records past its commit on an idle worker
 (issue 19: records dropped during a rebalance were never read again). Pure logic; the two-worker
 test in test_kafka_faults.py is where it was seen."""
 
@@ -8,22 +9,35 @@ from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets
 
 # What the survivor of a killed worker showed, stuck for good: fetched to the end, delivered nothing.
 STUCK = Offsets(position=30, delivered=None, committed=16)
+IDLE: set = set()
 
 
-def test_a_partition_fetched_past_what_was_delivered_is_sought_back_on_the_second_idle_check():
-    watch = FetchWatch()
-    assert watch.check(idle=True, offsets={"p1": STUCK}) == []  # once could be records in passing
-    assert watch.check(idle=True, offsets={"p1": STUCK}) == ["p1"]
-    assert watch.check(idle=True, offsets={"p1": STUCK}) == []  # counted again from the seek
+def _checks(watch: FetchWatch, offsets: dict, n: int, busy=IDLE) -> list[list]:
+    return [watch.check(busy=busy, offsets=offsets) for _ in range(n)]
 
 
-def test_a_busy_worker_or_a_moving_partition_is_never_called_stuck():
-    watch = FetchWatch()
-    watch.check(idle=True, offsets={"p1": STUCK})
-    assert watch.check(idle=False, offsets={"p1": STUCK}) == []  # messages on their way: nothing can be told
-    assert watch.check(idle=True, offsets={"p1": STUCK}) == []  # and the count starts over
-    moved = Offsets(position=30, delivered=20, committed=16)
-    assert watch.check(idle=True, offsets={"p1": moved}) == []  # it delivered since: not stuck
+def test_a_partition_fetched_past_its_commit_is_sought_back_once_seen_so_for_patience_checks():
+    watch = FetchWatch(patience=5)
+    *before, at = _checks(watch, {"p1": STUCK}, 5)
+    assert before == [[]] * 4 and at == ["p1"]  # sooner could be a commit on its way (2.8 s)
+    assert watch.check(busy=IDLE, offsets={"p1": STUCK}) == []  # counted again from the seek
+
+
+def test_a_partition_with_records_in_flight_or_moving_is_never_called_stuck():
+    watch = FetchWatch(patience=2)
+    watch.check(busy=IDLE, offsets={"p1": STUCK})
+    assert watch.check(busy={"p1"}, offsets={"p1": STUCK}) == []  # records on their way: nothing can be told
+    assert watch.check(busy=IDLE, offsets={"p1": STUCK}) == []  # and the count starts over
+    moved = Offsets(position=30, delivered=20, committed=20)
+    assert watch.check(busy=IDLE, offsets={"p1": moved}) == []  # it committed since: not stuck
+
+
+def test_a_busy_partition_does_not_hide_a_stuck_one():
+    # Acknowledgements wait for state writes (every 5 s): a worker under steady load always has
+    # some partition busy, and a stuck one must still be found.
+    watch = FetchWatch(patience=2)
+    offsets = {"p1": STUCK, "p2": Offsets(position=50, delivered=49, committed=40)}
+    assert _checks(watch, offsets, 2, busy={"p2"}) == [[], ["p1"]]
 
 
 def test_partitions_read_to_their_end_are_never_behind():
@@ -35,9 +49,9 @@ def test_partitions_read_to_their_end_are_never_behind():
     ]
     assert not any(o.behind() for o in caught_up)
     assert Offsets(position=45, delivered=1, committed=17).behind()
-    watch = FetchWatch()
+    watch = FetchWatch(patience=2)
     offsets = {i: o for i, o in enumerate(caught_up)}
-    assert watch.check(idle=True, offsets=offsets) == [] and watch.check(idle=True, offsets=offsets) == []
+    assert _checks(watch, offsets, 3) == [[], [], []]
 
 
 def test_a_partition_never_fetched_with_records_after_its_commit_is_sought_back_too():
@@ -45,27 +59,41 @@ def test_a_partition_never_fetched_with_records_after_its_commit_is_sought_back_
     # delivered, idle for good.
     unread = Offsets(position=16, delivered=None, committed=16, end=30)
     assert unread.behind()
-    watch = FetchWatch()
-    assert watch.check(idle=True, offsets={"p1": unread}) == []
-    assert watch.check(idle=True, offsets={"p1": unread}) == ["p1"]
-    at_end = Offsets(position=30, delivered=29, committed=30, end=30)
-    assert not at_end.behind()
+    assert _checks(FetchWatch(patience=2), {"p1": unread}, 2) == [[], ["p1"]]
+    assert not Offsets(position=30, delivered=29, committed=30, end=30).behind()
 
 
-def test_records_past_the_commit_of_an_idle_worker_are_read_again_whatever_faust_says_it_delivered():
+def test_records_past_the_commit_are_read_again_whatever_faust_says_it_delivered():
     # Faust's fetch loop sets its delivered offset after a record it gave up in a rebalance, and
     # then skips every record below it: delivered says "read", the commit says otherwise.
     skipped = Offsets(position=20, delivered=19, committed=0, end=20)
-    watch = FetchWatch()
-    assert watch.check(idle=True, offsets={"p1": skipped}) == []
-    assert watch.check(idle=True, offsets={"p1": skipped}) == ["p1"]
+    assert _checks(FetchWatch(patience=2), {"p1": skipped}, 2) == [[], ["p1"]]
 
 
 def test_acknowledged_records_waiting_for_their_commit_are_not_stuck():
     held = Offsets(position=15, delivered=14, committed=10)  # acks held for a state write
     assert held.behind()
-    watch = FetchWatch()
-    assert watch.check(idle=False, offsets={"p1": held}) == [] and watch.check(idle=False, offsets={"p1": held}) == []
-    # Acknowledged: committed within Faust's commit interval, so the next check sees it move.
-    assert watch.check(idle=True, offsets={"p1": held}) == []
-    assert watch.check(idle=True, offsets={"p1": Offsets(position=15, delivered=14, committed=15)}) == []
+    watch = FetchWatch(patience=2)
+    assert _checks(watch, {"p1": held}, 3, busy={"p1"}) == [[], [], []]
+    # Acknowledged: committed within Faust's commit interval, so a later check sees it move.
+    assert watch.check(busy=IDLE, offsets={"p1": held}) == []
+    assert watch.check(busy=IDLE, offsets={"p1": Offsets(position=15, delivered=14, committed=15)}) == []
+
+
+def test_the_records_of_a_batch_not_handed_over_start_after_the_last_one_that_was():
+    from collections import namedtuple
+
+    from rankwatch.stream_processors.consumer import not_handed_over
+
+    record = namedtuple("record", "offset")
+    batch = {"p0": [record(o) for o in range(10, 15)], "p1": [record(o) for o in range(3, 6)],
+             "p2": [record(o) for o in range(7, 9)]}
+    # p0 stopped half way (a rebalance began), p1 was skipped (not active), p2 went through whole.
+    assert not_handed_over(batch, {"p0": 11, "p2": 8}) == {"p0": 12, "p1": 3}
+
+
+def test_both_transports_consume_with_the_consumer_that_fetches_dropped_records_again():
+    from rankwatch.stream_processors import consumer, kafka_transport, tansu
+
+    assert issubclass(tansu.Transport.Consumer, consumer.Consumer)
+    assert issubclass(kafka_transport.Transport.Consumer, consumer.Consumer)

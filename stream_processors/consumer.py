@@ -1,0 +1,83 @@
+"""Faust's aiokafka consumer, except that records it fetched and then dropped are fetched again.
+
+faust-streaming's ``Consumer.getmany`` takes a batch of records from aiokafka, which moves each
+partition's position past them, and hands them over one by one. It skips the records of a
+partition that is not active at that moment (paused for a table's recovery, say), and stops
+handing over the rest when the consumer generation changes or flow stops. Nothing fetches those
+records again unless a later seek happens to cover them: a worker then sat idle for good with
+records in its partitions (issue 19; ``fetchwatch`` finds such partitions seconds later, this
+finds them at once).
+
+So once a batch has been handed over, each partition that still belongs to the worker, with
+records of the batch not handed over, is sought back to the first of them. Only when nothing
+moved the position since: a new generation (aiokafka starts every partition of a new assignment
+at its committed offset) or any seek of Faust's own (to the committed offset, which is never past
+a record not handed over) already put those records in front of the consumer again, and seeking
+forward to them would skip what lies before.
+
+Written for faust-streaming 0.15.x and aiokafka 0.14.x (pinned in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP
+
+log = logging.getLogger(__name__)
+
+
+def not_handed_over(batch: Mapping[TP, list[Any]], handed: Mapping[TP, int]) -> dict[TP, int]:
+    """Per partition of ``batch``, the offset of its first record after the last one ``handed`` over."""
+    first = {}
+    for tp, records in batch.items():
+        after = handed.get(tp, -1)
+        offset = next((r.offset for r in records if r.offset > after), None)
+        if offset is not None:
+            first[tp] = offset
+    return first
+
+
+class Consumer(faust_aiokafka.Consumer):
+    _batch: Mapping[TP, list[Any]] | None = None
+    _seeks = 0  # Faust's own seeks so far
+
+    async def _wait_next_records(self, timeout: float):
+        records, active = await super()._wait_next_records(timeout)
+        self._batch = records
+        return records, active
+
+    async def getmany(self, timeout: float) -> AsyncIterator[tuple[TP, Any]]:
+        generation, seeks, handed = self.app.consumer_generation_id, self._seeks, {}
+        try:
+            async for tp, message in super().getmany(timeout):
+                handed[tp] = message.offset
+                yield tp, message
+        finally:
+            batch, self._batch = self._batch, None
+            if batch and generation == self.app.consumer_generation_id and seeks == self._seeks:
+                self._fetch_again(not_handed_over(batch, handed))
+
+    def _fetch_again(self, first: Mapping[TP, int]) -> None:
+        assigned = self.assignment()
+        for tp, offset in first.items():
+            if tp in assigned:
+                log.info("%s[%d]: records from offset %d were fetched but not handed to a stream; fetching them again",
+                         tp.topic, tp.partition, offset)
+                self._thread.seek(tp, offset)  # what Faust's own ``seek`` does, without its await
+                self._read_offset[tp] = offset or None
+
+    async def seek(self, partition: TP, offset: int) -> None:
+        self._seeks += 1
+        await super().seek(partition, offset)
+
+    async def seek_to_committed(self) -> Mapping[TP, int]:
+        self._seeks += 1
+        return await super().seek_to_committed()
+
+    async def seek_wait(self, partitions: Mapping[TP, int]) -> None:
+        self._seeks += 1
+        await super().seek_wait(partitions)
