@@ -58,8 +58,11 @@ class Consumer(faust_aiokafka.Consumer):
                 yield tp, message
         finally:
             batch, self._batch = self._batch, None
-            if batch and generation == self.app.consumer_generation_id and seeks == self._seeks:
-                self._fetch_again(not_handed_over(batch, handed))
+            if batch and not self.should_stop and generation == self.app.consumer_generation_id and seeks == self._seeks:
+                try:
+                    self._fetch_again(not_handed_over(batch, handed))
+                except Exception:  # an error here would end the fetch loop: the watch seeks back later
+                    log.exception("seeking back records not handed to a stream failed")
 
     def _fetch_again(self, first: Mapping[TP, int]) -> None:
         assigned = self.assignment()

@@ -34,8 +34,8 @@ class Offsets:
     end: int | None = None  # the partition's end offset (its high watermark)
 
     def behind(self) -> bool:
-        """Whether the partition holds records past its committed offset. On an idle worker (every
-        record Faust gave a stream was acknowledged) those are records no stream will ever get:
+        """Whether the partition holds records past its committed offset. With none of its records
+        in flight (every one Faust gave a stream acknowledged) those are records no stream will get:
         fetched and dropped, or never fetched at all (a restarted worker sat idle for good with a
         partition at its committed offset and records after it, issue 19).
 
