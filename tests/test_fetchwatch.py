@@ -1,10 +1,14 @@
 """Records Faust fetched but never gave a stream are read again: at once by the consumer, or by
-``FetchWatch``, which seeks back a partition with records past its commit on an idle worker
-(issue 19: records dropped during a rebalance were never read again). Pure logic; the two-worker
-test in test_kafka_faults.py is where it was seen."""
+``FetchWatch``, which seeks back a partition with records past its commit and none in flight
+(issue 19: records dropped during a rebalance were never read again). Pure logic; the Kafka fault
+tests in test_kafka_faults.py are where it was seen."""
 
 from __future__ import annotations
 
+from collections import namedtuple
+
+from rankwatch.stream_processors import consumer, kafka_transport, tansu
+from rankwatch.stream_processors.consumer import not_handed_over
 from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets
 
 # What the survivor of a killed worker showed, stuck for good: fetched to the end, delivered nothing.
@@ -81,10 +85,6 @@ def test_acknowledged_records_waiting_for_their_commit_are_not_stuck():
 
 
 def test_the_records_of_a_batch_not_handed_over_start_after_the_last_one_that_was():
-    from collections import namedtuple
-
-    from rankwatch.stream_processors.consumer import not_handed_over
-
     record = namedtuple("record", "offset")
     batch = {"p0": [record(o) for o in range(10, 15)], "p1": [record(o) for o in range(3, 6)],
              "p2": [record(o) for o in range(7, 9)]}
@@ -93,7 +93,5 @@ def test_the_records_of_a_batch_not_handed_over_start_after_the_last_one_that_wa
 
 
 def test_both_transports_consume_with_the_consumer_that_fetches_dropped_records_again():
-    from rankwatch.stream_processors import consumer, kafka_transport, tansu
-
     assert issubclass(tansu.Transport.Consumer, consumer.Consumer)
     assert issubclass(kafka_transport.Transport.Consumer, consumer.Consumer)
