@@ -9,7 +9,7 @@ stops handing them over (the generation check, and the active-partition filter, 
 rebalance empties in place) and drops the rest. Unless another rebalance seeks the partition back,
 nothing ever reads those records again. (The same family: faust-streaming issues 216 and 221.)
 
-The watch asks, every second, of each partition with no record given to a stream and not yet
+The watch asks, every 2 s, of each partition with no record given to a stream and not yet
 acknowledged: is its fetch position, or its end, beyond its committed offset? Seen so for four
 seconds with nothing changing (an acknowledged record is committed within Faust's commit interval),
 it is stuck, and the worker seeks it back to its committed offset, which also resets the offset
@@ -49,10 +49,10 @@ class Offsets:
 
 @dataclass
 class FetchWatch:
-    # Checks in a row that see the same partition behind and unchanged; at one check a second, four
+    # Checks in a row that see the same partition behind and unchanged; at one check every 2 s, four
     # seconds, over Faust's commit interval (2.8 s), so a partition acknowledged but not yet
     # committed is never taken for stuck.
-    patience: int = 5
+    patience: int = 3
     _suspects: dict[Hashable, tuple[Offsets, int]] = field(default_factory=dict)
 
     def check(self, *, busy: Collection[Hashable], offsets: Mapping[Hashable, Offsets]) -> list[Hashable]:

@@ -42,7 +42,7 @@ from rankwatch.stream_processors.runwatch import OutageClock
 log = logging.getLogger(__name__)
 
 STOP_DEADLINE_S = 8.0  # SIGTERM to exit, at most (the promise is 10 s)
-FETCH_CHECK_S = 1.0  # how often the worker checks for partitions with records no stream was given
+FETCH_CHECK_S = 2.0  # how often the worker checks for partitions with records no stream was given
 ENDS_EVERY_S = 5.0  # how often it asks for their end offsets
 _STREAMED = (*contract.TOPICS, *contract.INTERNAL_TOPICS)
 NEW_BROKER_LINE = "rankwatch worker: the broker came back empty"  # tests and users look for this
@@ -102,9 +102,10 @@ def build_app(settings: Settings) -> faust.App:
                 ends.update(await consumer.highwaters(*watched))
             except Exception as exc:  # a broker away: the next time asks again
                 log.info("end offsets not known now (%s); checking partitions without them", exc)
+        # Each position is a call into the consumer's thread: busy partitions, skipped anyway, are not asked.
         offsets = {tp: Offsets(await consumer.position(tp), consumer._read_offset.get(tp),
                                consumer._committed_offset.get(tp), ends.get(tp))
-                   for tp in watched}
+                   for tp in watched if tp not in busy}
         for tp in fetches.check(busy=busy, offsets=offsets):
             seen = offsets[tp]
             back = seen.committed or 0

@@ -21,9 +21,9 @@ def _checks(watch: FetchWatch, offsets: dict, n: int, busy=IDLE) -> list[list]:
 
 
 def test_a_partition_fetched_past_its_commit_is_sought_back_once_seen_so_for_patience_checks():
-    watch = FetchWatch(patience=5)
-    *before, at = _checks(watch, {"p1": STUCK}, 5)
-    assert before == [[]] * 4 and at == ["p1"]  # sooner could be a commit on its way (2.8 s)
+    watch = FetchWatch()
+    *before, at = _checks(watch, {"p1": STUCK}, watch.patience)
+    assert before == [[]] * (watch.patience - 1) and at == ["p1"]  # sooner could be a commit on its way (2.8 s)
     assert watch.check(busy=IDLE, offsets={"p1": STUCK}) == []  # counted again from the seek
 
 
