@@ -84,8 +84,10 @@ def test_a_crashed_worker_loses_no_alert_and_repeats_only_the_same_transition(ow
         (alerts[0]["key"], "firing", alerts[0]["incident"], tuple(alerts[0]["ranks"]))}, alerts
 
 
-def _changelog(bootstrap: str, topic: str, keys: set[bytes], timeout_s: float = 60.0) -> dict[bytes, tuple[int, bytes]]:
-    """The newest record of each of ``keys`` on ``topic``: key -> (partition, value), once all are there."""
+def _changelog(bootstrap: str, topic: str, keys: set[bytes], timeout_s: float = 60.0,
+               ready=lambda value: True) -> dict[bytes, tuple[int, bytes]]:
+    """The newest ``ready`` record of each of ``keys`` on ``topic``: key -> (partition, value), once all are
+    there. State is written every few seconds, so an early record may hold only part of what was sent."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50,
                              auto_offset_reset="earliest", max_partition_fetch_bytes=4 << 20)
     found: dict[bytes, tuple[int, bytes]] = {}
@@ -94,7 +96,7 @@ def _changelog(bootstrap: str, topic: str, keys: set[bytes], timeout_s: float = 
         consumer.subscribe([topic])
         while time.monotonic() < deadline and not keys <= found.keys():
             for records in consumer.poll(timeout_ms=200).values():
-                found.update({r.key: (r.partition, r.value) for r in records if r.key in keys})
+                found.update({r.key: (r.partition, r.value) for r in records if r.key in keys and ready(r.value)})
     finally:
         consumer.close()
     return found
@@ -152,9 +154,13 @@ def test_a_restarted_worker_judges_stragglers_with_what_the_run_learned_before(o
 
     _send(bootstrap, *steps(0, 30))
     key = run_id.encode()
-    stored = _changelog(bootstrap, f"{own_stack.settings.app_id}-run-watch-changelog", {key})
-    assert stored, "the run's watch was not stored"
-    assert msgpack.unpackb(stored[key][1], strict_map_key=False)["tracks"]["compute_time_s"]["detector"]["steps"] >= 20
+
+    def learned(value: bytes) -> bool:
+        track = value and msgpack.unpackb(value, strict_map_key=False)["tracks"].get("compute_time_s")
+        return bool(track) and track["detector"]["steps"] >= 20
+
+    assert _changelog(bootstrap, f"{own_stack.settings.app_id}-run-watch-changelog", {key}, ready=learned), \
+        "the run's watch was never stored with 20 steps learned"
 
     # Only once the worker has committed its place: a replay of the first 30 steps would warm up a
     # fresh detector too, and the alert would prove nothing.
