@@ -1,5 +1,5 @@
 """Step-window rollups as sufficient statistics (count, mean, M2, min, max, a quantile sketch), never
-lists of points.
+unbounded lists of points.
 
 Windows are tumbling in training steps, ``[k*W, (k+1)*W)``: steps, not seconds, are what people
 compare across ranks and runs. A window closes when a later window's first point arrives.
@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rankwatch.contract import Rollup
-from rankwatch.sketch import Sketch
+from rankwatch.sketch import MAX_CENTROIDS, Sketch
+
+_FLOATS = ("mean", "m2", "min", "max", "last")  # the fields that may be infinite or NaN
 
 
 @dataclass
@@ -28,7 +30,11 @@ class Window:
     last: float = math.nan
     first_step: int | None = None  # the steps the window saw
     last_step: int | None = None
-    sketch: Sketch = field(default_factory=Sketch)  # finite values, for p50/p95/p99
+    # Finite values, for p50/p95/p99: a plain list up to MAX_CENTROIDS of them (a t-digest of that many
+    # is exact, and a list is many times cheaper to add one point to and to write as state every few
+    # seconds: a 50-step window of one point a step never needs more), a t-digest beyond.
+    points: list[float] = field(default_factory=list)
+    sketch: Sketch | None = None
 
     def add(self, values: np.ndarray, steps: np.ndarray | None = None) -> None:
         """Merge a block of values (Chan et al.'s parallel update: one pass, numerically stable)."""
@@ -61,7 +67,10 @@ class Window:
         self.mean += delta * n / total
         self.m2 += b_m2 + delta * delta * self.count * n / total
         self.count = total
-        self.sketch.add(finite)
+        if self.sketch is None and len(self.points) + n <= MAX_CENTROIDS:
+            self.points += finite.tolist()
+        else:
+            self.quantile_sketch().add(finite)
         self.min = min(self.min, float(np.minimum.reduce(finite)))
         self.max = max(self.max, float(np.maximum.reduce(finite)))
 
@@ -76,17 +85,29 @@ class Window:
             self.nonfinite += 1
             return
         self.count += 1
-        self.sketch.add_one(x)
+        if self.sketch is not None:
+            self.sketch.add_one(x)
+        elif len(self.points) < MAX_CENTROIDS:
+            self.points.append(x)
+        else:
+            self.quantile_sketch().add_one(x)
         delta = x - self.mean
         self.mean += delta / self.count
         self.m2 += delta * (x - self.mean)
         self.min, self.max = min(self.min, x), max(self.max, x)
 
+    def quantile_sketch(self) -> Sketch:
+        """The window's finite values as a sketch; from here on they are kept in it."""
+        if self.sketch is None:
+            self.sketch, self.points = Sketch.of(self.points), []
+        return self.sketch
+
     def to_rollup(self, *, run: str, rank: int, metric: str, width: int, now: float,
                   world_size: int | None = None) -> Rollup:
         std = math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0
         empty = self.count == 0
-        p50, p95, p99 = self.sketch.quantiles()
+        sketch = self.quantile_sketch()
+        p50, p95, p99 = sketch.quantiles()
         return Rollup(
             run=run, rank=rank, metric=metric,
             start_step=self.index * width, end_step=(self.index + 1) * width,
@@ -94,19 +115,29 @@ class Window:
             mean=math.nan if empty else self.mean, std=std,
             min=math.nan if empty else self.min, max=math.nan if empty else self.max,
             last=self.last, ts=now, first_step=self.first_step, last_step=self.last_step, world_size=world_size,
-            p50=p50, p95=p95, p99=p99, sketch=None if empty else self.sketch.to_wire(),
+            p50=p50, p95=p95, p99=p99, sketch=None if empty else sketch.to_wire(),
         )
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "sketch"}
-        d = {k: (v if not isinstance(v, float) or math.isfinite(v) else repr(v)) for k, v in d.items()}
-        return {**d, "sketch": self.sketch.to_wire()}
+        # Infinities and NaN as strings: the state is JSON-able (strict JSON has neither).
+        d = {"index": self.index, "count": self.count, "nonfinite": self.nonfinite,
+             "first_step": self.first_step, "last_step": self.last_step}
+        for k in _FLOATS:
+            v = getattr(self, k)
+            d[k] = v if math.isfinite(v) else repr(v)
+        if self.sketch is None:
+            d["points"] = self.points
+        else:
+            d["sketch"] = self.sketch.to_wire()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Window:
-        # State written before windows kept a sketch has none: its quantiles cover the points after.
-        sketch = Sketch.from_wire(d.get("sketch"))
-        return cls(**{k: float(v) if isinstance(v, str) else v for k, v in d.items() if k != "sketch"}, sketch=sketch)
+        # State written before windows kept their points has a sketch, and state written before
+        # windows kept either has neither: its quantiles cover the points after.
+        sketch = Sketch.from_wire(d["sketch"]) if d.get("sketch") is not None else None
+        fields = {k: float(v) if isinstance(v, str) else v for k, v in d.items() if k not in ("sketch", "points")}
+        return cls(**fields, points=[float(v) for v in d.get("points", ())], sketch=sketch)
 
 
 def roll(window: Window | None, steps: np.ndarray, values: np.ndarray, width: int) -> tuple[Window | None, list[Window]]:
