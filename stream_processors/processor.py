@@ -118,17 +118,21 @@ class TelemetryProcessor:
                 rule = rules.get(name)
                 if rule is None:
                     continue  # the rules changed since this state was built; the detector retires
-                condition = ms.conditions.setdefault(name, Condition())
-                if finite and not condition.firing and type(detector) is NonFinite:
-                    condition.streak = 0  # what the quiet branch below does with all-zero scores
+                # A condition is made when it first sees an anomaly: a quiet one is the default.
+                condition = ms.conditions.get(name)
+                if finite and type(detector) is NonFinite and (condition is None or not condition.firing):
+                    if condition is not None:
+                        condition.streak = 0  # what the quiet branch below does with all-zero scores
                     continue
                 scores = detector.update(values)
                 anomalous = detector.decide(scores)
-                if not condition.firing and not anomalous.any():
+                if (condition is None or not condition.firing) and not anomalous.any():
                     # What the policy does to a quiet condition over normal points, without its loop.
-                    if len(anomalous):
+                    if condition is not None and len(anomalous):
                         condition.streak = 0
                     continue
+                if condition is None:
+                    condition = ms.conditions[name] = Condition()
                 policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)
                 alerts += policy.apply(
                     condition,
@@ -137,11 +141,12 @@ class TelemetryProcessor:
                     scores=scores, anomalous=anomalous, now=now,
                 )
             ms.window, closed = roll(ms.window, series.steps, values, self.rollup_steps)
-            rollups += [
-                w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
-                            world_size=batch.world_size)
-                for w in closed
-            ]
+            if closed:
+                rollups += [
+                    w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
+                                world_size=batch.world_size)
+                    for w in closed
+                ]
         if batch.final:
             # The rank closes: its open windows would never close, so send them now. They stay open: a
             # rank that carries on (restarted) sends the window again, complete, and that rollup wins.
