@@ -9,7 +9,7 @@ from typing import Any
 import faust
 
 from rankwatch.settings import Settings
-from rankwatch.stream_processors.runwatch import OutageClock
+from rankwatch.stream_processors.clocks import OutageClock
 
 
 class App(faust.App):

@@ -11,10 +11,11 @@ from rankwatch import contract
 from rankwatch.contract import ProgressBatch, RankSignal, TelemetryBatch, decode_run_event
 from rankwatch.settings import Settings
 from rankwatch.stream_processors.batching import process_batch
+from rankwatch.stream_processors.clocks import LagWatch, OutageClock
 from rankwatch.stream_processors.grouping import Grouper, RunGroups
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
-from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher, WatchStateError, tick_mark
+from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher, WatchStateError, tick_mark
 from rankwatch.stream_processors.state_writes import StateWrites
 from rankwatch.stream_processors.tables import is_part
 from rankwatch.stream_processors.topics import dead_letterer, decoded, encoded, raw_topic, send_all
@@ -52,7 +53,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     processor = TelemetryProcessor(rollup_steps=settings.rollup_steps, rules=rules)
     grouper = Grouper(group_wait_s=rules.group_wait_s)
     waiting: set[bytes] = set()  # runs with groups inside their wait, on partitions this worker owns
-    watcher = RunWatcher(rules=rules, outages=outages)  # the worker stops this clock while the broker is away
+    watcher = RunWatcher(rules=rules, outages=outages)  # stopped while the broker is away or the worker behind
     # Per run: cross-rank rows and stall clocks, keyed and partitioned like run-state, so the worker
     # that gets a run's partition next (a rebalance, a crash) recovers them from the changelog instead
     # of starting blank (issue 16). Written through ``watches``, like rank state.
@@ -73,6 +74,12 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
         return watch
 
     dead_letter = dead_letterer(app)
+    lags = LagWatch()  # whether the worker is behind on what it reads; stall silences stop meanwhile
+
+    def processed(events, now: float) -> None:
+        for event in events:
+            message = event.message
+            lags.processed(message.tp, message.offset, message.timestamp, now)
 
     unwritten = StateWrites(rank_state, STATE_EVERY_S)
     watches = StateWrites(run_watch, STATE_EVERY_S)  # 169 KB a run at 1,024 ranks, changed by every run event
@@ -101,6 +108,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             await send_all(out_topics, out.messages)
             unwritten.add(events, {key.encode(): state for key, state in out.states.items()})  # after the output
             write_states()
+            processed(events, time.time())
 
     @app.timer(interval=0.5)
     async def write_rank_states():  # a quiet stream must not hold its acks
@@ -122,6 +130,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             changed = await group_signal(event)
             watches.add([event], changed)
             write_states()
+            processed([event], time.time())
 
     async def group_signal(event) -> dict:
         """Group one run event; the run's watch, if it changed, to write."""
@@ -169,12 +178,29 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     def owned(topic: str) -> set[int]:
         return {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == topic}
 
+    def note_lag(now: float) -> None:
+        """Stop the clock of stall silences while the worker is behind on telemetry or run events."""
+        consumer = app.consumer
+        read = [tp for tp in consumer.assignment() if tp.topic in (contract.TELEMETRY, contract.RUN_EVENTS)]
+        lags.forget(set(read))
+        ends = {}
+        for tp in read:
+            try:
+                ends[tp] = consumer.highwater(tp)  # as the last fetch saw it: no request
+            except Exception:  # noqa: BLE001 (assignment changing under us: not known this time)
+                ends[tp] = None
+        if lags.behind(now, ends, consumer._committed_offset):
+            outages.behind(now)
+        else:
+            outages.caught_up(now)
+
     @app.timer(interval=1.0)
     async def check_run_watches():
         if app.rebalancing:
             return  # ownership is moving: each run's next owner ticks it
         runs = owned(contract.RUN_EVENTS)
         now = time.time()
+        note_lag(now)
         for key in watches.keys():
             if is_part(key):
                 continue  # a piece of a large watch, recovered from the changelog: read with its run

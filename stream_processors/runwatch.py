@@ -31,9 +31,9 @@ have been read a bound past its last step (a rank whose partition the worker rea
 others' is late, not stalled). Rank clocks are assumed synchronised to well under a stall bound (NTP: milliseconds;
 the default bound is at least 10 s).
 
-The worker's side of that is measured on an :class:`OutageClock`, which stops while the worker
-cannot reach the broker: then no rank can reach it either, and a rank's silence says nothing about
-the rank.
+The worker's side of that is measured on an :class:`~rankwatch.stream_processors.clocks.OutageClock`,
+which stops while the worker cannot reach the broker (then no rank can reach it either) and while
+it is behind on its own input: then a rank's silence says nothing about the rank.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import numpy as np
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, RankProgress
 from rankwatch.errors import RankwatchError
+from rankwatch.stream_processors.clocks import OutageClock
 from rankwatch.stream_processors.detectors import CrossRank, Stall
 from rankwatch.stream_processors.detectors.stall import Stalled
 from rankwatch.stream_processors.grouping import ranks_text
@@ -65,44 +66,6 @@ WATCH_VERSION = 2
 
 class WatchStateError(RankwatchError, ValueError):
     """A stored run watch this worker cannot read (a newer or older format): never guess at it."""
-
-
-class OutageClock:
-    """Wall time with the broker's outages taken out: the clock stall silences are measured on.
-
-    ``away(now)`` (the worker lost the broker) stops it; it runs again ``grace_s`` after
-    ``back(now)``. Each rank's shipper finds the returning broker on its own: retries back off up to
-    5 s, and a client that failed is replaced, so one rank's spool can arrive at once and another's
-    many seconds later (seen on a 3-broker cluster stopped for a minute). Restarting at the first
-    message heard judged the later ranks by the first one's return. A rank that is really stuck still
-    stalls, only later by the outage's length and the grace.
-    """
-
-    def __init__(self, *, grace_s: float = 20.0):
-        if grace_s < 0:
-            raise ValueError("grace_s must be >= 0")
-        self.grace_s = grace_s
-        self.paused_s = 0.0  # outage time taken out so far
-        self.stopped_at: float | None = None  # wall time the clock stopped, while stopped
-        self.back_at: float | None = None  # wall time the broker returned, while waiting for a message
-
-    def away(self, now: float) -> None:
-        if self.stopped_at is None:
-            self.stopped_at = now
-        self.back_at = None
-
-    def back(self, now: float) -> None:
-        if self.stopped_at is not None and self.back_at is None:
-            self.back_at = now
-
-    def read(self, now: float) -> float:
-        if self.back_at is not None and now >= self.back_at + self.grace_s:
-            self._restart(self.back_at + self.grace_s)
-        return (now if self.stopped_at is None else self.stopped_at) - self.paused_s
-
-    def _restart(self, at: float) -> None:
-        self.paused_s += max(at - self.stopped_at, 0.0)
-        self.stopped_at = self.back_at = None
 
 
 @dataclass

@@ -37,7 +37,7 @@ from rankwatch.stack import PARENT_ENV, READY_LINE
 from rankwatch.stream_processors.app import make_app
 from rankwatch.stream_processors.brokerwatch import BrokerWatch
 from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets
-from rankwatch.stream_processors.runwatch import OutageClock
+from rankwatch.stream_processors.clocks import OutageClock
 
 log = logging.getLogger(__name__)
 

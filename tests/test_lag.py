@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from rankwatch.contract import RankProgress, Series
+from rankwatch.stream_processors.clocks import LagWatch
 from rankwatch.stream_processors.rules import default_rules
 from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher
 
@@ -73,3 +74,47 @@ def test_a_backlog_read_evenly_raises_nothing_and_a_stop_after_it_is_still_a_sta
     end = 300.0 + len(order) / 40.0
     fired = [a for t in np.arange(end, end + 60.0) for a in watcher.tick(watch, float(t))]
     assert [(a.detector, a.rank, a.status) for a in fired] == [("stall", None, "firing")], fired
+
+
+def test_a_worker_behind_its_own_stage_raises_no_run_wide_stall_while_its_clock_is_stopped():
+    # Seen at 1,024 ranks on one worker minutes behind: six run-wide stalls of a healthy run. Run
+    # events waited behind telemetry, so stage 2 heard nothing for longer than a bound; the worker
+    # had unread records all along, written long before. Its clock stops meanwhile.
+    def run(stop_clock: bool) -> list:
+        watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+        rng = np.random.default_rng(0)
+        alerts = []
+        for step in range(60):  # read in real time: the pace is learned
+            for rank in range(RANKS):
+                alerts += watcher.observe(watch, _progress(rank, step, rng), step + 0.5)
+            alerts += watcher.tick(watch, step + 1.0)
+        if stop_clock:
+            watcher.outages.behind(61.0)
+        for t in range(61, 91):  # 30 s with no run event processed: they wait behind telemetry
+            alerts += watcher.tick(watch, float(t))
+        watcher.outages.caught_up(91.0)
+        for step in range(60, 90):  # then they come, late, and the worker catches up
+            for rank in range(RANKS):
+                alerts += watcher.observe(watch, _progress(rank, step, rng), 91.0)
+        alerts += watcher.tick(watch, 92.0)
+        return alerts
+
+    assert [(a.detector, a.rank, a.status) for a in run(stop_clock=False)][:1] == [("stall", None, "firing")]
+    assert run(stop_clock=True) == []
+
+
+def test_the_lag_watch_says_behind_only_when_unread_records_were_written_over_its_lag_ago():
+    lags = LagWatch(lag_s=2.0)
+    lags.processed("t0", offset=99, written_at=100.0, now=100.5)
+    assert not lags.behind(101.0, {"t0": 100}, {})  # read to the end
+    assert not lags.behind(101.0, {"t0": 150}, {})  # unread, but written after 100: under 2 s behind
+    assert lags.behind(103.0, {"t0": 150}, {})
+    lags.processed("t0", offset=149, written_at=102.5, now=103.2)
+    assert not lags.behind(103.5, {"t0": 150}, {})
+    assert not lags.behind(103.5, {"t0": None}, {})  # end not known yet
+    # A partition none of whose records it processed yet counts from when it was first asked about.
+    assert not lags.behind(200.0, {"t1": 10}, {"t1": 10})  # nothing past its commit
+    assert not lags.behind(200.0, {"t2": 10}, {"t2": 4})
+    assert lags.behind(202.5, {"t2": 10}, {"t2": 4})
+    lags.forget({"t0"})  # t2 was revoked: a later assignment counts from when it is asked about again
+    assert not lags.behind(203.0, {"t2": 10}, {"t2": 4})

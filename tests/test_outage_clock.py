@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from rankwatch.contract import RankProgress
+from rankwatch.stream_processors.clocks import OutageClock
 from rankwatch.stream_processors.rules import default_rules
-from rankwatch.stream_processors.runwatch import OutageClock, RunWatch, RunWatcher
+from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher
 
 
 def _step(rank: int, step: int) -> RankProgress:
@@ -34,6 +35,23 @@ def test_the_clock_stops_while_away_and_runs_again_a_grace_after_the_broker_is_b
     assert clock.read(80.0) == 20.0 + 8.0  # stopped at 20, runs again from 72
     with pytest.raises(ValueError):
         OutageClock(grace_s=-1.0)
+
+
+def test_the_clock_stops_while_the_worker_is_behind_and_runs_again_at_once_when_caught_up():
+    clock = OutageClock(grace_s=10.0)
+    clock.behind(10.0)
+    clock.behind(12.0)  # still behind: the first stop counts
+    assert clock.read(30.0) == 10.0
+    clock.caught_up(30.0)
+    assert clock.read(31.0) == 11.0  # no grace: it has read all there is
+    clock.caught_up(32.0)  # caught up already: nothing changes
+    assert clock.read(32.0) == 12.0
+    # Behind during an outage: neither stretch is counted twice.
+    clock.away(40.0)  # 20 on the clock
+    clock.behind(45.0)
+    clock.back(50.0)
+    clock.caught_up(70.0)  # the outage's grace ended at 60
+    assert clock.read(80.0) == 20.0 + 10.0
 
 
 def test_one_rank_s_backlog_arriving_first_after_an_outage_is_no_stall_of_the_others():

@@ -8,8 +8,9 @@ import pytest
 from faust.serializers import codecs
 
 from rankwatch.contract import RankProgress, Series
+from rankwatch.stream_processors.clocks import OutageClock
 from rankwatch.stream_processors.rules import default_rules
-from rankwatch.stream_processors.runwatch import WATCH_VERSION, OutageClock, RunWatch, RunWatcher, WatchStateError
+from rankwatch.stream_processors.runwatch import WATCH_VERSION, RunWatch, RunWatcher, WatchStateError
 from rankwatch.stream_processors.tables import MAX_RECORD_BYTES, STATE_CODEC
 
 
