@@ -21,6 +21,7 @@ Three things no Faust setting gives, added here:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -131,10 +132,20 @@ def restart_process() -> None:
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
+# A worker holds a few hundred thousand long-lived containers (the rank states: 1,024 ranks x 32
+# metrics of detectors, conditions and windows) and allocates a few hundred more per message. At
+# Python's default (700, 10, 10) the collections over that heap took 12% of a busy worker's CPU by
+# py-spy's count (gc_collect_main) and more by the bench: at 512 ranks x 32 metrics x 60 messages,
+# 0.029 -> 0.047 M values per CPU-second with the young generation collected every 50,000
+# allocations instead. Cycles are still collected, only in larger batches.
+GC_THRESHOLDS = (50_000, 10, 10)
+
+
 def run_worker(settings: Settings, *, loglevel: str = "warning") -> None:
     """Block until SIGINT/SIGTERM; Faust's worker stops the app cleanly on either, within the deadline."""
     # Blocked before any thread starts, so every thread inherits it and only ``_stop_on_signal`` hears them.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    gc.set_threshold(*GC_THRESHOLDS)
     app = build_app(settings)
     worker = _Worker(app, loglevel=loglevel, quiet=True)
     threading.Thread(target=_stop_on_signal, args=(worker,), daemon=True, name="stop-on-signal").start()
