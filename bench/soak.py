@@ -168,7 +168,8 @@ def main() -> None:
     ap.add_argument("--format", choices=["json", "binary"], default="binary", help="the ranks' wire format")
     ap.add_argument("--every-s", type=float, default=30.0, help="seconds between rows")
     ap.add_argument("--warmup-min", type=float, default=2.0, help="minutes left out of the RSS growth and max lag")
-    ap.add_argument("--drain-s", type=float, default=120.0, help="how long to wait for the worker after the last tick")
+    ap.add_argument("--drain-s", type=float, default=900.0,
+                    help="how long to wait after the last tick for every rank's last message to be applied")
     ap.add_argument("--store", action="store_true", help="run the report store's sink as well")
     args = ap.parse_args()
     out = soak(args)
