@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rankwatch.contract import Rollup
+from rankwatch.sketch import Sketch
 from rankwatch.stream_processors.windows import Window, roll
 
 
@@ -165,3 +166,35 @@ def test_one_point_at_a_time_gives_the_same_statistics_as_one_block():
         assert (w.count, w.nonfinite) == (38, 2)
         assert w.mean == pytest.approx(finite.mean()) and w.m2 == pytest.approx(((finite - finite.mean()) ** 2).sum())
         assert (w.min, w.max) == (finite.min(), finite.max()) and w.last == values[-1]
+
+
+def test_a_window_keeps_its_points_up_to_a_digest_s_size_then_a_digest():
+    rng = np.random.default_rng(11)
+    values = rng.lognormal(size=130)
+    for upto in (100, 130):
+        one, block = Window(index=0), Window(index=0)
+        for step, v in enumerate(values[:upto]):
+            one.add_one(step, float(v))
+        block.add(values[:60], np.arange(60))
+        block.add(values[60:upto], np.arange(60, upto))
+        if upto == 100:  # exact: the rollup's digest is the one of every point
+            assert one.sketch is None and one.points == block.points == values[:100].tolist()
+            every = Sketch.of(values[:100])
+        for w in (one, block):
+            r = w.to_rollup(run="r", rank=0, metric="m", width=200, now=0.0)
+            assert Sketch.from_wire(r.sketch).count == upto
+            if upto == 100:
+                assert r.sketch == every.to_wire() and (r.p50, r.p95, r.p99) == every.quantiles()
+            else:  # past it, a digest: close, as the digest's own were before
+                assert r.p50 == pytest.approx(np.quantile(values, 0.5), rel=0.02)
+                assert r.p95 == pytest.approx(np.quantile(values, 0.95), rel=0.05)
+
+
+def test_a_window_stored_with_a_sketch_reads_back_and_goes_on():
+    w, _ = roll(None, np.arange(10), np.arange(10, dtype=float), 50)
+    old = {**{k: v for k, v in w.to_dict().items() if k != "points"}, "sketch": Sketch.of(w.points).to_wire()}
+    back = Window.from_dict(old)
+    back.add_one(10, 10.0)
+    w.add_one(10, 10.0)
+    assert back.to_rollup(run="r", rank=0, metric="m", width=50, now=0.0) == \
+        w.to_rollup(run="r", rank=0, metric="m", width=50, now=0.0)
