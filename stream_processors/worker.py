@@ -37,8 +37,8 @@ from rankwatch.settings import Settings
 from rankwatch.stack import PARENT_ENV, READY_LINE
 from rankwatch.stream_processors.app import make_app
 from rankwatch.stream_processors.brokerwatch import BrokerWatch
-from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets
 from rankwatch.stream_processors.clocks import OutageClock
+from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets
 
 log = logging.getLogger(__name__)
 
