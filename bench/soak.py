@@ -15,7 +15,7 @@ default, as ``RankPublisher`` writes), the last tick ``final``. This process rea
 Every ``--every-s`` seconds it prints a row: messages sent, the workers' RSS and CPU, and the lag: how
 long ago the newest message the worker has applied from its furthest-behind telemetry partition was
 stamped by its rank (so 1 s or so when it keeps up at 1 Hz). At the end, a summary: RSS growth from the
-first row after ``--warmup-min`` to the last, the largest lag after warm-up while the ranks publish,
+first row after ``--warmup-min`` to the last while the ranks publish, the largest lag over those rows,
 how long after the last tick the worker had applied every rank's final message (its backlog then),
 how many it applied (all, or some were dropped), and every alert on the run (all false: the ranks
 are quiet). Asserts nothing.
@@ -50,13 +50,12 @@ class RunReader(threading.Thread):
     """Follows the run's progress and alerts: per telemetry partition the newest rank stamp applied,
     which ranks' final messages were applied, and every alert."""
 
-    def __init__(self, bootstrap: str, run: str):
+    def __init__(self, bootstrap: str, run: str, ranks: int):
         super().__init__(daemon=True)
-        self.bootstrap, self.run_id = bootstrap, run
+        self.bootstrap, self.run_id, self.ranks = bootstrap, run, ranks
         self.newest: dict[int, float] = {}  # telemetry partition -> newest stamp applied
         self.finals: set[int] = set()
-        self.all_final_at: float | None = None
-        self.ranks = 0  # set by the caller: how many finals make all
+        self.all_final_at: float | None = None  # when the last rank's final message was applied
         self.alerts: list[dict] = []
         self.stop = threading.Event()
         self.ready = threading.Event()
@@ -113,8 +112,7 @@ def soak(args) -> dict:
     ticks = int(args.minutes * 60)
     rows: list[dict] = []
     with stack:
-        reader = RunReader(stack.bootstrap, run)
-        reader.ranks = args.ranks
+        reader = RunReader(stack.bootstrap, run, args.ranks)
         reader.start()
         reader.ready.wait(60)
         started = time.time() + 5.0  # the publisher's process imports and connects meanwhile
@@ -150,7 +148,8 @@ def soak(args) -> dict:
         publisher.join(10)
         reader.stop.set()
         reader.join(10)
-    warm = [r for r in rows if r["min"] >= args.warmup_min] or rows
+    # While the ranks publish: after the last tick every open window closes at once, a burst of its own.
+    warm = [r for r in rows if r["min"] >= args.warmup_min and r["publishing"]] or rows
     lags = [r["lag"] for r in warm if r["publishing"]]
     return {"rows": rows, "rss_first": warm[0]["rss"], "rss_last": warm[-1]["rss"],
             "lag_max": max(lags) if lags else float("nan"), "finals": len(reader.finals), "alerts": reader.alerts,
