@@ -17,13 +17,20 @@ Faust skips records below. Per partition, not per worker: a worker that always h
 in flight (acknowledgements wait for the state writes, every 5 s) would otherwise never check, and
 a partition stuck for longer than a stall bound makes its ranks look stalled.
 Replays are harmless (every stage drops what it already applied); a record never read is not.
+
+A seek is not always enough. Faust asks aiokafka for records of its *active* partitions only, and
+takes a partition out of that set while a stream's buffer is under pressure, putting it back when
+the buffer drains (``Consumer.on_buffer_full`` / ``on_buffer_drop``). If the buffer is emptied by a
+rebalance instead of drained, the call that puts it back never comes, and a partition assigned,
+not paused, with nothing in flight is never fetched again, whatever it is sought to. So a stuck
+partition is also put back into the fetched set (``refetch``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Protocol
 
 
 @dataclass(frozen=True)
@@ -70,3 +77,21 @@ class FetchWatch:
                 suspects[tp] = (now, seen)
         self._suspects = suspects
         return stuck
+
+
+class FaustFetchSets(Protocol):
+    """The parts of faust-streaming's ``Consumer`` (0.15.x) that decide which partitions are fetched."""
+
+    _active_partitions: set | None
+    _paused_partitions: set
+    _buffered_partitions: set
+
+
+def refetch(consumer: FaustFetchSets, tp: Hashable) -> str | None:
+    """Put a stuck, unpaused partition back into the set Faust fetches; say what was wrong, if anything."""
+    if tp in consumer._paused_partitions or consumer._active_partitions is None or tp in consumer._active_partitions:
+        return None
+    how = "held as buffered" if tp in consumer._buffered_partitions else "missing"
+    consumer._buffered_partitions.discard(tp)
+    consumer._active_partitions.add(tp)
+    return f"{how} from the partitions Faust fetches"

@@ -38,7 +38,7 @@ from rankwatch.stack import PARENT_ENV, READY_LINE
 from rankwatch.stream_processors.app import make_app
 from rankwatch.stream_processors.brokerwatch import BrokerWatch
 from rankwatch.stream_processors.clocks import OutageClock
-from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets
+from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets, refetch
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,10 @@ def build_app(settings: Settings) -> faust.App:
         for tp in fetches.check(busy=busy, offsets=offsets):
             seen = offsets[tp]
             back = seen.committed or 0
+            repaired = refetch(consumer, tp)
             log.warning("%s[%d]: holds records to offset %s (fetched to %s) past its commit %s with nothing in "
-                        "flight; reading it again from %d", tp.topic, tp.partition, seen.end, seen.position,
-                        seen.committed, back)
+                        "flight%s; reading it again from %d", tp.topic, tp.partition, seen.end, seen.position,
+                        seen.committed, f", {repaired}" if repaired else "", back)
             await consumer.seek(tp, back)
 
     parent = os.environ.get(PARENT_ENV)

@@ -6,10 +6,11 @@ tests in test_kafka_faults.py are where it was seen."""
 from __future__ import annotations
 
 from collections import namedtuple
+from types import SimpleNamespace
 
 from rankwatch.stream_processors import consumer, kafka_transport, tansu
 from rankwatch.stream_processors.consumer import not_handed_over
-from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets
+from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets, refetch
 
 # What the survivor of a killed worker showed, stuck for good: fetched to the end, delivered nothing.
 STUCK = Offsets(position=30, delivered=None, committed=16)
@@ -95,3 +96,26 @@ def test_the_records_of_a_batch_not_handed_over_start_after_the_last_one_that_wa
 def test_both_transports_consume_with_the_consumer_that_fetches_dropped_records_again():
     assert issubclass(tansu.Transport.Consumer, consumer.Consumer)
     assert issubclass(kafka_transport.Transport.Consumer, consumer.Consumer)
+
+
+def _fetch_sets(active=(), paused=(), buffered=()):
+    return SimpleNamespace(_active_partitions=set(active), _paused_partitions=set(paused),
+                           _buffered_partitions=set(buffered))
+
+
+def test_a_stuck_partition_left_out_of_the_fetched_set_is_put_back():
+    # A stream's buffer filled (the partition left the set), then a rebalance emptied the buffer
+    # without the drain that puts it back: aiokafka is never asked for its records again.
+    held = _fetch_sets(active={"p0"}, buffered={"p1"})
+    assert refetch(held, "p1") == "held as buffered from the partitions Faust fetches"
+    assert held._active_partitions == {"p0", "p1"} and held._buffered_partitions == set()
+    lost = _fetch_sets(active={"p0"})
+    assert refetch(lost, "p1") == "missing from the partitions Faust fetches"
+    assert lost._active_partitions == {"p0", "p1"}
+
+
+def test_a_fetched_or_paused_partition_is_left_as_it_is():
+    fetched = _fetch_sets(active={"p0", "p1"})
+    assert refetch(fetched, "p1") is None and fetched._active_partitions == {"p0", "p1"}
+    paused = _fetch_sets(active={"p0"}, paused={"p1"})  # a table recovering: Faust resumes it when done
+    assert refetch(paused, "p1") is None and paused._active_partitions == {"p0"}
