@@ -11,13 +11,14 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError, UnknownTopicOrPart
 
 from rankwatch.contract import INTERNAL_TOPICS, TOPICS
 from rankwatch.errors import BrokerError
-from rankwatch.security import PLAINTEXT, KafkaSecurity
+from rankwatch.security import PLAINTEXT, KafkaSecurity, check_login
 
 log = logging.getLogger(__name__)
 
 
 def connect_admin(bootstrap: str, timeout_s: float = 10.0, *, security: KafkaSecurity = PLAINTEXT) -> KafkaAdminClient:
     """An admin client, retrying until the broker answers a metadata request or ``timeout_s`` passes."""
+    check_login(bootstrap, security)
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:

@@ -11,3 +11,7 @@ class SchemaError(RankwatchError, ValueError):
 
 class BrokerError(RankwatchError):
     """The broker could not be started or reached."""
+
+
+class LoginError(BrokerError):
+    """The broker refused the client's SASL login or TLS handshake; the message says which, without secrets."""

@@ -165,6 +165,36 @@ def explain_failure(exc: BaseException, bootstrap: str, security: KafkaSecurity)
     return None if cause is None else auth_error_line(cause, bootstrap)
 
 
+_LOGINS_CHECKED: set[tuple[str, KafkaSecurity]] = set()
+
+
+def check_login(bootstrap: str, security: KafkaSecurity) -> None:
+    """Raise ``LoginError`` at once when the cluster refuses this login or TLS handshake.
+
+    A kafka-python client says so only when its 30 s bootstrap timeout ends, and then only as
+    "Unable to bootstrap" (see ``explain_failure``): a user with a wrong password waited half a
+    minute for the error line. One aiokafka connection hears the broker's answer in well under a
+    second. Checked once per process and configuration; anything but a refusal (a broker not up
+    yet, say) is left to the caller's own retries.
+    """
+    import asyncio
+
+    from rankwatch.errors import LoginError
+
+    if security.security_protocol == "PLAINTEXT" or (bootstrap, security) in _LOGINS_CHECKED:
+        return
+    try:
+        asyncio.get_running_loop()
+        return  # inside an event loop (``probe`` runs its own): the caller's error path explains a refusal
+    except RuntimeError:
+        pass
+    cause = probe(bootstrap, security)
+    line = None if cause is None else auth_error_line(cause, bootstrap)
+    if line is not None:
+        raise LoginError(line)
+    _LOGINS_CHECKED.add((bootstrap, security))
+
+
 def probe(bootstrap: str, security: KafkaSecurity, timeout_s: float = 10.0) -> BaseException | None:
     """Connect once with aiokafka; the login or TLS failure it met (None if it got in, or failed otherwise)."""
     import asyncio

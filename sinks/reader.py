@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
-from rankwatch.security import PLAINTEXT, KafkaSecurity
+from rankwatch.security import PLAINTEXT, KafkaSecurity, check_login
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ def read_topic(
     ``on_poll()`` is called after every poll too, also when nothing arrived (periodic work such
     as re-sending firing alerts).
     """
+    check_login(bootstrap, security)
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
