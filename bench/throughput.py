@@ -18,7 +18,7 @@ Prints a table; asserts nothing. The broker, the bench and the workers share the
 
 ``--profile`` (or ``--profile pyinstrument``, a sampling profiler, if installed) starts no broker: it runs stage 1's per-batch work in this process (the contract decode,
 ``batching.process_batch`` as the worker calls it, and the rank state's msgpack for the changelog every
-``STATE_EVERY_S`` messages, as at 1 Hz) on the same simulated messages under cProfile, and prints the
+``Settings.state_write_s`` messages, as at 1 Hz) on the same simulated messages under cProfile, and prints the
 top functions by own and by cumulative time.
 
     python bench/throughput.py --profile --ranks 32 --messages 10
@@ -170,7 +170,6 @@ def profile_stage1(args) -> None:
     from faust.serializers import codecs
 
     from rankwatch.stream_processors.batching import process_batch
-    from rankwatch.stream_processors.flows import STATE_EVERY_S
     from rankwatch.stream_processors.processor import TelemetryProcessor
     from rankwatch.stream_processors.tables import STATE_CODEC
 
@@ -180,6 +179,7 @@ def profile_stage1(args) -> None:
     processor = TelemetryProcessor()
 
     codec = codecs.get_codec(STATE_CODEC)
+    state_every = round(Settings().state_write_s)  # ticks between state writes, a tick being a second
 
     ticks: list[float] = []  # CPU seconds of each tick, the last run's
 
@@ -191,7 +191,7 @@ def profile_stage1(args) -> None:
             batches = [TelemetryBatch.from_bytes(data) for data in raw[lo : lo + args.ranks]]
             out = process_batch(processor, batches, table.get, time.time())
             table.update(out.states)
-            if tick % STATE_EVERY_S == 0:  # what the worker writes to the changelog, a tick being a second
+            if tick % state_every == 0:  # what the worker writes to the changelog, a tick being a second
                 for state in out.states.values():
                     codec.dumps(state)
             ticks.append(time.process_time() - started)

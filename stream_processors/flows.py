@@ -27,8 +27,6 @@ log = logging.getLogger(__name__)
 # when TAKE_MAX messages are waiting, so it adds at most TAKE_WITHIN_S to an alert's latency.
 TAKE_MAX = 1000
 TAKE_WITHIN_S = 0.02
-# A rank's state goes to its changelog at most this often, not per batch (``state_writes``).
-STATE_EVERY_S = 5.0
 
 
 async def _each(items):
@@ -81,8 +79,9 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             message = event.message
             lags.processed(message.tp, message.offset, message.timestamp, now)
 
-    unwritten = StateWrites(rank_state, STATE_EVERY_S)
-    watches = StateWrites(run_watch, STATE_EVERY_S)  # 169 KB a run at 1,024 ranks, changed by every run event
+    # A rank's state goes to its changelog at most every ``state_write_s``, not per batch (``state_writes``).
+    unwritten = StateWrites(rank_state, settings.state_write_s)
+    watches = StateWrites(run_watch, settings.state_write_s)  # 169 KB a run at 1,024 ranks, changed by every run event
 
     def write_states(*, now_anyway: bool = False) -> None:
         # A rebalance or a stop waits for every ack (Faust's ``wait_empty``) before it hands

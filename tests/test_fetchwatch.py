@@ -38,7 +38,7 @@ def test_a_partition_with_records_in_flight_or_moving_is_never_called_stuck():
 
 
 def test_a_busy_partition_does_not_hide_a_stuck_one():
-    # Acknowledgements wait for state writes (every 5 s): a worker under steady load always has
+    # Acknowledgements wait for state writes (every few seconds): a worker under steady load always has
     # some partition busy, and a stuck one must still be found.
     watch = FetchWatch(patience=2)
     offsets = {"p1": STUCK, "p2": Offsets(position=50, delivered=49, committed=40)}

@@ -91,6 +91,15 @@ def test_non_integer_counts_raise_value_error(var):
         Settings.from_env({var: "eight"})
 
 
+def test_state_is_written_before_it_could_expire():
+    assert Settings.from_env({"RANKWATCH_STATE_WRITE_S": "2"}).state_write_s == 2.0
+    with pytest.raises(ValueError, match="state_write_s must be > 0"):
+        Settings.from_env({"RANKWATCH_STATE_WRITE_S": "0"})
+    with pytest.raises(ValueError, match="longer than state_write_s"):
+        Settings.from_env({"RANKWATCH_STATE_TTL_S": "10", "RANKWATCH_STATE_WRITE_S": "15"})
+    assert Settings(state_ttl_s=0, state_write_s=60).state_ttl_s == 0  # kept for good: nothing expires
+
+
 def test_settings_are_frozen_and_keyword_only():
     s = Settings()
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -122,8 +122,9 @@ def test_a_rank_whose_first_state_is_not_written_yet_keeps_it_across_batches(boo
 
 @pytest.fixture(scope="module")
 def forgetful_stack(tmp_path_factory):
-    # A TTL over the write interval (flows.STATE_EVERY_S), so the state is written before it expires.
-    settings = Settings(data_dir=str(tmp_path_factory.mktemp("ttl")), app_id="rankwatch-ttl-test", state_ttl_s=6.0)
+    # A TTL over the write interval (Settings.state_write_s), so the state is written before it expires.
+    settings = Settings(data_dir=str(tmp_path_factory.mktemp("ttl")), app_id="rankwatch-ttl-test", state_ttl_s=6.0,
+                        state_write_s=2.0)
     with Stack(settings, embedded=True, port=free_port()) as stack:
         yield stack
 
