@@ -32,6 +32,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from rankwatch.errors import LoginError
+
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN")
 _MASK = "***"
@@ -178,8 +180,6 @@ def check_login(bootstrap: str, security: KafkaSecurity) -> None:
     yet, say) is left to the caller's own retries.
     """
     import asyncio
-
-    from rankwatch.errors import LoginError
 
     if security.security_protocol == "PLAINTEXT" or (bootstrap, security) in _LOGINS_CHECKED:
         return

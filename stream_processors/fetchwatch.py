@@ -14,8 +14,8 @@ acknowledged: is its fetch position, or its end, beyond its committed offset? Se
 seconds with nothing changing (an acknowledged record is committed within Faust's commit interval),
 it is stuck, and the worker seeks it back to its committed offset, which also resets the offset
 Faust skips records below. Per partition, not per worker: a worker that always has some records
-in flight (acknowledgements wait for the state writes, every ``state_write_s``) would otherwise never check, and
-a partition stuck for longer than a stall bound makes its ranks look stalled.
+in flight (acknowledgements wait for the state writes, every ``state_write_s``) would otherwise
+never check, and a partition stuck for longer than a stall bound makes its ranks look stalled.
 Replays are harmless (every stage drops what it already applied); a record never read is not.
 
 A seek is not always enough. Faust asks aiokafka for records of its *active* partitions only, and

@@ -176,3 +176,31 @@ def test_from_env_hands_the_security_to_the_shipper_in_its_environment_not_its_c
     assert config["security_protocol"] == "SASL_SSL" and config["sasl_plain_password"] == SECRET
     assert config["acks"] == 1  # a given producer_config adds to the settings' security
     assert not any(SECRET in arg for arg in args)
+
+
+def test_a_refused_login_is_one_error_before_any_kafka_python_client(monkeypatch):
+    """``check_login`` asks once per configuration (the SASL_SSL test broker: tests/test_kafka_security.py)."""
+    from rankwatch import security
+    from rankwatch.errors import LoginError
+
+    asked = []
+    answer = {"cause": SaslAuthenticationFailedError("invalid credentials")}
+    monkeypatch.setattr(security, "probe", lambda bootstrap, sec: asked.append(bootstrap) or answer["cause"])
+    monkeypatch.setattr(security, "_LOGINS_CHECKED", set())
+    sasl = Settings.from_env(SASL_ENV).security
+
+    security.check_login("127.0.0.1:1", PLAINTEXT)
+    assert asked == [], "PLAINTEXT has no login to check"
+    with pytest.raises(LoginError, match="refused the SASL login") as refused:
+        security.check_login("broker:9093", sasl)
+    assert SECRET not in str(refused.value)
+    answer["cause"] = None  # let in (or not answering: the caller's retries decide)
+    security.check_login("broker:9093", sasl)
+    security.check_login("broker:9093", sasl)
+    assert asked == ["broker:9093", "broker:9093"], "a login let in is not asked again"
+
+    async def inside_a_loop() -> None:
+        security.check_login("other:9093", sasl)
+
+    asyncio.run(inside_a_loop())
+    assert asked == ["broker:9093", "broker:9093"], "probe runs its own event loop: not from inside one"
