@@ -14,8 +14,8 @@ marks NAB's anomaly window, which starts at the fault's onset):
   is where a change that helps the tuning part is checked before it is kept.
 - **Real streams** that ship inside statsmodels (Mauna Loa CO2, sunspots, the Nile, El Niño, US
   macro series), unlabelled except the Nile's known change point (the Aswan dam, 1899): they count
-  as clean series for false alerts. Alternate streams go to each part. Skipped, with a note, when
-  statsmodels is not installed.
+  as clean series for false alerts. Alternate streams go to each part. They need statsmodels
+  (``pip install -e '.[bench]'``).
 
     python bench/data/make_corpus.py       # a few seconds; rewrites corpus/
 """
@@ -161,12 +161,11 @@ def generated(seed: int, holdout: bool | str) -> list[tuple[str, np.ndarray, np.
 
 
 def real_streams() -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """Real-world streams shipped inside statsmodels (none if it is not installed)."""
+    """Real-world streams shipped inside statsmodels."""
     try:
         from statsmodels import datasets
-    except ImportError:
-        print("statsmodels not installed: no real-world streams (pip install statsmodels)")
-        return []
+    except ImportError:  # without them every score would silently be of another corpus
+        raise SystemExit("make_corpus: the real-world streams need statsmodels: pip install -e '.[bench]'") from None
     out = []
     co2 = datasets.co2.load_pandas().data["co2"].interpolate().bfill().to_numpy()
     out.append(("real_co2", co2))
