@@ -188,7 +188,9 @@ def score_run(spec: RunSpec, sc: Scenario, emitted: list[Emitted], last_step: in
         else:
             false.append(e)
     detections = [e for e in hits if e.alert.step < detect_hi]
-    first = detections[0] if detections else None
+    # Alerts that go out together (a publisher's batch of steps arrives at once) are one moment: the
+    # delay is the earliest step any of them names, not whichever happened to be listed first.
+    first = min(detections, key=lambda e: (e.at, e.alert.step)) if detections else None
     window = 0 if lo is None else max(0, min(hi, spec.steps) - max(lo, 0))
     out = {
         "run": spec.run, "seed": spec.seed, "fault": asdict(f) if f else None,
