@@ -10,7 +10,9 @@ cluster scale (issue 16): Faust's per-event machinery, one changelog write per m
   messages were applied. A rank signal flushes the run's pending progress first, so stage 2 sees
   signals and progress in exactly the order message-by-message processing would send them;
 - a message whose processing fails is reported by its index, for the caller to dead-letter; its
-  output is dropped and the rest of the batch goes on.
+  output is dropped and the rest of the batch goes on;
+- a rank whose stored state this worker cannot read (another release's layout) keeps its dedup
+  cursor and learns afresh, and is reported, so that an upgrade never dead-letters a rank's telemetry.
 
 Pure: no Faust, no clock; ``bench/scenario_replay.py`` and the tests call it as the worker does.
 """
@@ -25,7 +27,7 @@ from typing import Any
 from rankwatch.contract import (
     MAX_MESSAGE_BYTES, RUN_EVENTS, SCHEMA_VERSION, ProgressBatch, RankProgress, RankSignal, TelemetryBatch,
 )
-from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
+from rankwatch.stream_processors.processor import RankState, RankStateError, TelemetryProcessor
 from rankwatch.stream_processors.topics import encoded
 
 Message = tuple[str, bytes, bytes]  # (topic, key, value), as ``topics.encoded`` makes them
@@ -41,11 +43,23 @@ class Stage1Output:
     states: dict[str, RankState] = field(default_factory=dict)  # key -> state to write, once
     failed: list[tuple[int, Exception]] = field(default_factory=list)  # (index in the batch, why)
     applied: int = 0  # messages applied (replays and failures not counted)
+    unreadable: list[tuple[str, RankStateError]] = field(default_factory=list)  # (key, why): learning afresh
 
 
 def as_state(found: Any) -> RankState:
     """A table value as a ``RankState`` (the memory store keeps the object; a recovered one is a dict)."""
     return found if isinstance(found, RankState) else RankState.from_dict(found)
+
+
+def _load(key: str, load: Callable[[str], Any], out: Stage1Output) -> RankState:
+    found = load(key)
+    try:
+        return as_state(found)
+    except RankStateError as exc:
+        out.unreadable.append((key, exc))
+        # Written even if every message of the batch is a replay, so that it is read, and reported, once.
+        state = out.states[key] = RankState.salvage(found)
+        return state
 
 
 def process_batch(
@@ -65,7 +79,7 @@ def process_batch(
             key = batch.key.decode()
             state = out.states.get(key)
             if state is None:
-                state = as_state(load(key))
+                state = _load(key, load, out)
             if processor.is_replay(state, batch):
                 continue
             result = processor.process(state, batch, now)

@@ -99,6 +99,10 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             good = [(e, b) async for e, b in decoded(_each(events), TelemetryBatch.from_bytes, dead_letter, "telemetry")]
             out = process_batch(processor, [b for _, b in good], lambda key: unwritten.get(key.encode()), time.time(),
                                 [e.message.partition for e, _ in good])
+            if out.unreadable:  # once per rank: its fresh state is the one read from now on
+                key, exc = out.unreadable[0]
+                log.error("%d ranks' stored state could not be read, e.g. %s: %s; they keep their place in the "
+                          "stream and learn afresh", len(out.unreadable), key, exc)
             for index, exc in out.failed:  # a bug must not stop the worker; the message is kept
                 event = good[index][0]
                 log.error("processing %s[%d]@%d failed", event.message.topic, event.message.partition,

@@ -3,6 +3,9 @@
 One ``RankState`` per (run, rank) holds the dedup cursor, each metric's detectors, alert conditions
 and open rollup window. It serialises to one JSON-able dict, which the Faust flow keeps in a table
 keyed like the telemetry topic, so state and stream share partitions and one writer owns each key.
+
+The stored dict is versioned (``STATE_VERSION``), so that workers of two releases on one changelog,
+during a rolling upgrade or after a rollback, read each other's state or reject it, never misread it.
 """
 
 from __future__ import annotations
@@ -13,10 +16,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, Rollup, Series, TelemetryBatch
+from rankwatch.errors import RankwatchError
 from rankwatch.stream_processors.detectors import Detector, NonFinite
 from rankwatch.stream_processors.policies import AlertPolicy, Condition
 from rankwatch.stream_processors.rules import Rule, Rules, default_rules, detector_classes
 from rankwatch.stream_processors.windows import Window, roll
+
+
+#: Layout of ``RankState.to_dict``. Raise it when a stored field changes meaning or goes away; a
+#: field added with a default needs no new version (an older state reads, taking the default). A
+#: state stored without a version was written before versions existed, in version 1's layout.
+STATE_VERSION = 1
+
+
+class RankStateError(RankwatchError, ValueError):
+    """A stored rank state this worker cannot read: another version, or fields its detectors do not take."""
 
 
 @dataclass
@@ -50,15 +64,32 @@ class RankState:
     metrics: dict[str, MetricState] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"producer": self.producer, "seq": self.seq, "metrics": {m: s.to_dict() for m, s in self.metrics.items()}}
+        return {"version": STATE_VERSION, "producer": self.producer, "seq": self.seq,
+                "metrics": {m: s.to_dict() for m, s in self.metrics.items()}}
 
     __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
 
     @classmethod
     def from_dict(cls, d: dict | None) -> RankState:
+        """The state ``to_dict`` stored; RankStateError if this worker cannot read it (``salvage`` then)."""
         if not d:
             return cls()
-        return cls(d["producer"], d["seq"], {m: MetricState.from_dict(s) for m, s in d["metrics"].items()})
+        version = d.get("version", 1) if isinstance(d, dict) else None
+        if version != STATE_VERSION:
+            raise RankStateError(f"stored rank state has version {version!r}; this worker reads version "
+                                 f"{STATE_VERSION} only")
+        try:
+            return cls(d["producer"], d["seq"], {m: MetricState.from_dict(s) for m, s in d["metrics"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # e.g. a detector parameter it lacks
+            raise RankStateError(f"stored rank state does not fit this worker's detectors: "
+                                 f"{type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def salvage(cls, d: object) -> RankState:
+        """What is kept of a state ``from_dict`` rejects: the dedup cursor, when it reads as one. The
+        messages it records were applied and their outputs sent; only what was learned starts over."""
+        producer, seq = (d.get("producer"), d.get("seq")) if isinstance(d, dict) else (None, None)
+        return cls(producer, seq) if type(producer) is str and type(seq) is int else cls()
 
 
 @dataclass(frozen=True)
@@ -110,14 +141,14 @@ class TelemetryProcessor:
             ms = state.metrics.get(metric)
             if ms is None:
                 ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()})
+            elif ms.detectors.keys() != rules.keys():
+                _follow_rules(ms, rules)  # the rules changed since this state was built
             values = series.values
             # One check per series instead of one per stateless detector: nearly every series is all
             # finite, and at one step per message numpy's fixed cost per call is most of the work.
             finite = _all_finite(values)
             for name, detector in ms.detectors.items():
-                rule = rules.get(name)
-                if rule is None:
-                    continue  # the rules changed since this state was built; the detector retires
+                rule = rules[name]
                 # A condition is made when it first sees an anomaly: a quiet one is the default.
                 condition = ms.conditions.get(name)
                 if finite and type(detector) is NonFinite and (condition is None or not condition.firing):
@@ -156,6 +187,16 @@ class TelemetryProcessor:
                 for metric, ms in state.metrics.items() if ms.window is not None
             ]
         return Output(alerts, rollups, last_step, cross)
+
+
+def _follow_rules(ms: MetricState, rules: dict[str, Rule]) -> None:
+    """A detector whose rule is gone retires with its condition; a new rule's detector starts learning."""
+    for name in [n for n in ms.detectors if n not in rules]:
+        del ms.detectors[name]
+        ms.conditions.pop(name, None)
+    for name, rule in rules.items():
+        if name not in ms.detectors:
+            ms.detectors[name] = rule.build()
 
 
 def _all_finite(values: np.ndarray) -> bool:

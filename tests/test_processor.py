@@ -6,9 +6,12 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from rankwatch.contract import Alert, Rollup, Series, TelemetryBatch
-from rankwatch.stream_processors.processor import Output, RankState, TelemetryProcessor
+from rankwatch.stream_processors.batching import process_batch
+from rankwatch.stream_processors.processor import STATE_VERSION, Output, RankState, RankStateError, TelemetryProcessor
+from rankwatch.stream_processors.rules import Rules
 
 
 def _batch(seq: int, steps, series: dict[str, list[float]], *, producer: str = "p1", rank: int = 1) -> TelemetryBatch:
@@ -204,3 +207,60 @@ def test_stage_two_gets_the_cross_rank_metrics_and_the_collective_wait_only():
                                                      "collective_wait_s": [3.0]}), now=0.0)
     assert sorted(out.cross_rank) == ["collective_wait_s", "compute_time_s", "loss"]
     assert out.last_step == 5
+
+
+def _loss_rules(*detectors: str) -> Rules:
+    return Rules.from_toml("\n".join(f'[[rule]]\nmetrics = ["loss"]\ndetector = "{d}"\n' for d in detectors))
+
+
+def _stored(state: RankState) -> dict:
+    return json.loads(json.dumps(state.to_dict(), allow_nan=False))  # as the changelog gives it back
+
+
+def test_a_state_of_another_version_is_rejected_never_misread():
+    state = RankState()
+    TelemetryProcessor().process(state, _stream(1)[0], now=0.0)
+    stored = _stored(state)
+    assert stored["version"] == STATE_VERSION
+    assert _frozen(RankState.from_dict(stored)) == _frozen(state)
+    with pytest.raises(RankStateError, match=rf"version 99; this worker reads version {STATE_VERSION} only"):
+        RankState.from_dict({**stored, "version": 99})
+    # A detector field this worker does not know (a newer release's) is not dropped silently.
+    stored["metrics"]["loss"]["detectors"]["spike"]["learned_later"] = 1.0
+    with pytest.raises(RankStateError, match="does not fit this worker's detectors: TypeError.*learned_later"):
+        RankState.from_dict(stored)
+
+
+def test_a_state_stored_before_versions_reads_as_version_one():
+    state = RankState()
+    TelemetryProcessor().process(state, _stream(1)[0], now=0.0)
+    unversioned = {k: v for k, v in _stored(state).items() if k != "version"}
+    assert _frozen(RankState.from_dict(unversioned)) == _frozen(state)
+
+
+def test_an_unreadable_state_keeps_its_place_in_the_stream_and_learns_afresh():
+    proc = TelemetryProcessor(rollup_steps=20)
+    batches = _stream(4, seed=3, nan_at=65)
+    state = RankState()
+    for b in batches[:3]:
+        proc.process(state, b, now=0.0)
+    newer = {**_stored(state), "version": STATE_VERSION + 1}
+    out = process_batch(proc, batches[1:], lambda key: newer, now=1.0)  # seq 1, 2 replayed; seq 3 new
+    assert [key for key, _ in out.unreadable] == ["run-1/1"]
+    assert out.failed == [] and out.applied == 1  # nothing dead-lettered; the replays still dropped
+    fresh = out.states["run-1/1"]
+    assert (fresh.producer, fresh.seq) == ("p1", 3)
+    assert fresh.metrics["loss"].window.first_step == 60  # learning began with the first new message
+    assert RankState.salvage({"producer": 7, "seq": "x"}) == RankState()  # no cursor to keep
+
+
+def test_a_rule_added_or_removed_since_the_state_was_built_is_followed():
+    state = RankState()
+    TelemetryProcessor(rules=_loss_rules("nonfinite")).process(state, _batch(0, [0, 1], {"loss": [1.0, math.nan]}), 0.0)
+    assert set(state.metrics["loss"].detectors) == {"nonfinite"} and "nonfinite" in state.metrics["loss"].conditions
+    # The worker restarts with other rules: nonfinite's rule went away and explode's came.
+    out = TelemetryProcessor(rules=_loss_rules("explode")).process(
+        state, _batch(1, [2, 3, 4], {"loss": [1.0, 1.0, 500.0]}), 0.0)
+    assert set(state.metrics["loss"].detectors) == {"explode"}
+    assert "nonfinite" not in state.metrics["loss"].conditions
+    assert [(a.detector, a.step) for a in out.alerts] == [("explode", 4)]
