@@ -12,7 +12,7 @@ from rankwatch.contract import ProgressBatch, RankSignal, TelemetryBatch, decode
 from rankwatch.settings import Settings
 from rankwatch.stream_processors.batching import process_batch
 from rankwatch.stream_processors.clocks import LagWatch, OutageClock
-from rankwatch.stream_processors.grouping import Grouper, RunGroups
+from rankwatch.stream_processors.grouping import Grouper, GroupsStateError, RunGroups
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher, WatchStateError, tick_mark
@@ -123,7 +123,11 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     def run_groups(key: bytes) -> RunGroups:
         state = run_state.get(key)
         if not isinstance(state, RunGroups):  # first sight, or recovered from the changelog as a dict
-            state = RunGroups.from_dict(state)
+            try:
+                state = RunGroups.from_dict(state)
+            except GroupsStateError as exc:  # never misread; a firing group then resolves unseen
+                log.error("run %s: %s; its alert groups start over", key.decode(errors="replace"), exc)
+                state = RunGroups()
             run_state[key] = state  # the memory store keeps this object; progress lives on it
         return state
 

@@ -24,12 +24,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from rankwatch.contract import Alert, RankSignal
+from rankwatch.errors import RankwatchError
 
 _ORDER = {"firing": 0, "resolved": 1}
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 #: Conditions starting this many steps after a page's first one still belong to it. 0: the same
 #: step only (the hook publishes the weights' statistics with the step whose update made them).
 PAGE_STEPS = 0
+
+
+#: Layout of ``RunGroups.to_dict`` (a state stored without a version has version 1's). Raise it when
+#: a stored field changes meaning or goes away; one added with a default needs none.
+GROUPS_VERSION = 1
+
+
+class GroupsStateError(RankwatchError, ValueError):
+    """Stored alert groups this worker cannot read (another release's layout): never guess at them."""
 
 
 @dataclass
@@ -57,8 +67,8 @@ class RunGroups:
     pages: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, "groups": {k: g.to_dict() for k, g in self.groups.items()},
-                "pages": self.pages}
+        return {"version": GROUPS_VERSION, "world_size": self.world_size,
+                "groups": {k: g.to_dict() for k, g in self.groups.items()}, "pages": self.pages}
 
     def waiting(self) -> bool:
         return any(g.pending_since is not None for g in self.groups.values())
@@ -67,9 +77,17 @@ class RunGroups:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> RunGroups:
+        """The groups ``to_dict`` stored; GroupsStateError if this worker cannot read them."""
         if not d:
             return cls()
-        return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()}, pages=d.get("pages", {}))
+        version = d.get("version", 1) if isinstance(d, dict) else None
+        if version != GROUPS_VERSION:
+            raise GroupsStateError(f"stored alert groups have version {version!r}; this worker reads version "
+                                   f"{GROUPS_VERSION} only")
+        try:
+            return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()}, pages=d.get("pages", {}))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise GroupsStateError(f"stored alert groups do not fit this worker: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

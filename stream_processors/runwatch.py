@@ -159,6 +159,14 @@ class RunWatch:
             raise WatchStateError(
                 f"stored run watch has version {version!r}; this worker reads version {WATCH_VERSION} only "
                 "(run workers of one version per consumer group)")
+        try:
+            return cls._read(d, rules, clock)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # e.g. a detector parameter it lacks
+            raise WatchStateError(f"stored run watch does not fit this worker's detectors: "
+                                  f"{type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def _read(cls, d: dict, rules: Rules, clock: float) -> RunWatch:
 
         def back(age: float | None) -> float:
             return -math.inf if age is None else clock - age

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rankwatch.contract import Alert, RankSignal
-from rankwatch.stream_processors.grouping import Grouper, RunGroups
+from rankwatch.stream_processors.grouping import GROUPS_VERSION, Grouper, GroupsStateError, RunGroups
 
 
 def _signal(rank: int, status: str = "firing", *, incident: int = 120, step: int = 120, world: int = 8) -> RankSignal:
@@ -171,6 +173,21 @@ def test_pages_survive_the_state_round_trip():
     [page] = grouper.add(restored, _metric_signal("grad_norm", "nonfinite"), now=0.0)
     assert page.metrics == ("loss", "grad_norm")
     assert Alert.from_bytes(page.to_bytes()) == page
+
+
+def test_groups_of_another_layout_are_refused_never_misread():
+    grouper, state = Grouper(group_wait_s=0.0), RunGroups()
+    grouper.add(state, _metric_signal("loss", "nonfinite"), now=0.0)
+    stored = json.loads(json.dumps(state.to_dict()))
+    assert stored["version"] == GROUPS_VERSION
+    unversioned = {k: v for k, v in stored.items() if k != "version"}  # stored before versions: version 1
+    assert RunGroups.from_dict(unversioned).to_dict() == stored
+    with pytest.raises(GroupsStateError, match=rf"version 9; this worker reads version {GROUPS_VERSION} only"):
+        RunGroups.from_dict({**stored, "version": 9})
+    for group in stored["groups"].values():
+        group["learned_later"] = 1  # a newer release's field
+    with pytest.raises(GroupsStateError, match="do not fit this worker: TypeError.*learned_later"):
+        RunGroups.from_dict(stored)
 
 
 def test_a_page_names_the_rank_its_conditions_share():

@@ -92,6 +92,16 @@ def test_an_unknown_version_is_refused_with_a_clear_error():
         RunWatch.from_dict({"run": "r"}, rules=default_rules(), clock=0.0)
 
 
+def test_a_detector_field_this_worker_lacks_is_refused_not_misread():
+    watcher, watch = RunWatcher(rules=default_rules(), outages=OutageClock()), RunWatch(run="r")
+    for p in _stream(range(20)):
+        watcher.observe(watch, p, now=p.ts)
+    stored = _stored(watch)
+    stored["tracks"]["compute_time_s"]["detector"]["learned_later"] = 1.0  # a newer release's state
+    with pytest.raises(WatchStateError, match="does not fit this worker's detectors: TypeError.*learned_later"):
+        RunWatch.from_dict(stored, rules=default_rules(), clock=0.0)
+
+
 def test_a_large_runs_watch_stores_its_learning_not_its_waiting_rows():
     """4,096 ranks, each sending 64 steps a message in rank order (as a worker reading partitions
     in turn sees them): rows wait for ranks not read yet. When the stored watch held those rows it
