@@ -28,6 +28,7 @@ from rankwatch.settings import Settings
 from rankwatch.stream_processors.evaluation import (
     EvalProcessor,
     EvalState,
+    EvalStateError,
     IntervalAdvisor,
     RunState,
     RunTracker,
@@ -72,6 +73,7 @@ def register(app: faust.App, settings: Settings) -> None:
     runs = app.Table("eval-runs", default=None, key_type=bytes)
     merger, tracker = processors(settings)
     warned_partitioner: list[bool] = []
+    unreadable: set[bytes] = set()  # eval states of another release, logged once
 
     dead_letter = dead_letterer(app)
 
@@ -107,6 +109,9 @@ def register(app: faust.App, settings: Settings) -> None:
             except ShardRejected as exc:
                 await dead_letter(event, f"rejected eval shard: {exc}")
                 continue
+            except EvalStateError as exc:  # kept until a worker of the release that wrote the state reads it
+                await dead_letter(event, f"unreadable eval state: {exc}")
+                continue
             except Exception as exc:  # a bug must not stop the worker; the message is kept
                 log.exception("merging eval shard %r failed", shard.key)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
@@ -133,6 +138,11 @@ def register(app: faust.App, settings: Settings) -> None:
                 state = eval_state(key)
                 out = merger.tick(state, now)
                 sends = messages(out)
+            except EvalStateError as exc:
+                if key not in unreadable:  # once, not every tick: it stays until its release reads it
+                    unreadable.add(key)
+                    log.error("evaluation %r: %s; its shards go to the dead-letter topic", key, exc)
+                continue
             except Exception:
                 log.exception("ticking evaluation %r failed", key)
                 continue
@@ -149,6 +159,9 @@ def register(app: faust.App, settings: Settings) -> None:
                 state = state if isinstance(state, RunState) else RunState.from_dict(state)
                 out = tracker.apply(state, update, time.time())
                 sends = encoded(*out.alerts, *out.controls)
+            except EvalStateError as exc:
+                await dead_letter(event, f"unreadable eval state: {exc}")
+                continue
             except Exception as exc:
                 log.exception("tracking eval run %r failed", key)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")

@@ -13,12 +13,14 @@ from rankwatch.contract import SCHEMA_VERSION, EvalReport, EvalShard, Finding, R
 from rankwatch.stream_processors.evaluation import (
     EvalProcessor,
     EvalState,
+    EvalStateError,
     IntervalAdvisor,
     RunState,
     RunTracker,
     ShardRejected,
     StopRule,
 )
+from rankwatch.stream_processors.evaluation.state import EVAL_STATE_VERSION
 
 WORLD, N = 4, 400
 RNG = np.random.default_rng(0)
@@ -271,6 +273,21 @@ def test_run_update_and_run_state_round_trip():
     tracker.apply(state, update, now=1.0)
     again = RunState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert again == state and list(again.firing) == ["run-1/eval_coverage/missing_ids"]
+
+
+def test_eval_states_of_another_layout_are_refused_never_misread():
+    state = EvalState()
+    _proc().apply(state, _shard(0), now=1.0)
+    stored = json.loads(json.dumps(state.to_dict(), allow_nan=False))
+    assert stored["version"] == EVAL_STATE_VERSION
+    unversioned = {k: v for k, v in stored.items() if k != "version"}  # stored before versions: version 1
+    assert _frozen(EvalState.from_dict(unversioned)) == _frozen(state)
+    with pytest.raises(EvalStateError, match=rf"eval state has version 5; this worker reads version {EVAL_STATE_VERSION}"):
+        EvalState.from_dict({**stored, "version": 5})
+    with pytest.raises(EvalStateError, match=r"fields this worker does not know: \['learned_later'\]"):
+        EvalState.from_dict({**stored, "learned_later": 1})  # a newer release's: not dropped silently
+    with pytest.raises(EvalStateError, match="eval run state has fields this worker does not know"):
+        RunState.from_dict({**RunState().to_dict(), "learned_later": 1})
 
 
 def test_report_reader_keeps_the_latest_revision_of_each_evaluation():

@@ -11,7 +11,13 @@ No Kafka or Faust here (``rankwatch.stream_processors.eval_flows`` wires it up):
 
 from rankwatch.stream_processors.evaluation.progressive import IntervalAdvice, IntervalAdvisor, StopRule
 from rankwatch.stream_processors.evaluation.runs import RunOutput, RunState, RunTracker
-from rankwatch.stream_processors.evaluation.state import EvalOutput, EvalProcessor, EvalState, ShardRejected
+from rankwatch.stream_processors.evaluation.state import (
+    EvalOutput,
+    EvalProcessor,
+    EvalState,
+    EvalStateError,
+    ShardRejected,
+)
 from rankwatch.stream_processors.evaluation.stats import (
     Comparison,
     Consistency,
@@ -27,5 +33,5 @@ from rankwatch.stream_processors.evaluation.stats import (
 __all__ = [
     "Summary", "Consistency", "Comparison", "summarize", "consistency", "compare", "composite",
     "parse_weights", "wilson_interval", "StopRule", "IntervalAdvisor", "IntervalAdvice",
-    "EvalState", "EvalProcessor", "EvalOutput", "ShardRejected", "RunState", "RunTracker", "RunOutput",
+    "EvalState", "EvalStateError", "EvalProcessor", "EvalOutput", "ShardRejected", "RunState", "RunTracker", "RunOutput",
 ]

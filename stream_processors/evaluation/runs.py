@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from rankwatch.contract import Alert, Control, EvalReport
 from rankwatch.contract.internal import Finding, RunUpdate
 from rankwatch.stream_processors.evaluation.progressive import IntervalAdvisor
+from rankwatch.stream_processors.evaluation.state import EVAL_STATE_VERSION, checked_fields
 from rankwatch.stream_processors.evaluation.stats import Summary, compare
 
 
@@ -30,14 +31,14 @@ class RunState:
     interval: int | None = None  # last suggested eval interval
 
     def to_dict(self) -> dict:
-        return {"history": self.history, "latest_step": self.latest_step, "firing": self.firing,
-                "interval": self.interval}
+        return {"version": EVAL_STATE_VERSION, "history": self.history, "latest_step": self.latest_step,
+                "firing": self.firing, "interval": self.interval}
 
     __json__ = to_dict
 
     @classmethod
     def from_dict(cls, d: dict | None) -> RunState:
-        return cls(**d) if d else cls()
+        return cls(**checked_fields(d, cls.__dataclass_fields__, "eval run state")) if d else cls()
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,27 @@ class ShardRejected(RankwatchError, ValueError):
     """A shard that contradicts its evaluation (another world size or step)."""
 
 
+#: Layout of the stored eval states (``EvalState`` and the eval runs' ``RunState``); a state stored
+#: without a version has version 1's. Raise it when a stored field changes meaning or goes away.
+EVAL_STATE_VERSION = 1
+
+
+class EvalStateError(RankwatchError, ValueError):
+    """A stored eval state this worker cannot read (another release's layout): never guess at it."""
+
+
+def checked_fields(d: dict, fields: dict, what: str) -> dict:
+    """``d`` without its version, if it is this release's layout of ``fields`` (a dataclass's)."""
+    version = d.get("version", 1)
+    if version != EVAL_STATE_VERSION:
+        raise EvalStateError(f"stored {what} has version {version!r}; this worker reads version "
+                             f"{EVAL_STATE_VERSION} only")
+    unknown = sorted(set(d) - {"version"} - {k for k in fields if not k.startswith("_")})
+    if unknown:
+        raise EvalStateError(f"stored {what} has fields this worker does not know: {unknown}")
+    return {k: v for k, v in d.items() if k != "version"}
+
+
 @dataclass
 class EvalState:
     run: str = ""
@@ -81,6 +102,7 @@ class EvalState:
 
     def to_dict(self) -> dict:
         return {
+            "version": EVAL_STATE_VERSION,
             "run": self.run, "eval_id": self.eval_id, "step": self.step, "world_size": self.world_size,
             "dataset_size": self.dataset_size, "partition": self.partition, "ids": self.ids,
             "owners": self.owners,
@@ -98,9 +120,9 @@ class EvalState:
     def from_dict(cls, d: dict | None) -> EvalState:
         if not d:
             return cls()
-        d = dict(d)
-        d["values"] = {m: [decode_float(v) for v in vs] for m, vs in d["values"].items()}
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__ and not k.startswith("_")})
+        d = checked_fields(d, cls.__dataclass_fields__, "eval state")
+        d["values"] = {m: [decode_float(v) for v in vs] for m, vs in d.get("values", {}).items()}
+        return cls(**d)
 
 
 @dataclass(frozen=True)
