@@ -12,7 +12,9 @@ process publishes ``rankwatch.sim.QuietRanks`` at 1 Hz through a plain producer 
 default, as ``RankPublisher`` writes), the last tick ``final``. This process reads ``rankwatch.run_events``
 (the progress stage 1 sends for each message it applies) and ``rankwatch.alerts``.
 
-Every ``--every-s`` seconds it prints a row: messages sent, the workers' RSS and CPU, and the lag: how
+Every ``--every-s`` seconds it prints a row: messages sent, the workers' RSS and CPU, the broker's and
+the publishing process's CPU, how busy the whole machine was (so that a growing lag can be told
+apart: the workers' own cost, or a machine with nothing left), and the lag: how
 long ago the newest message the worker has applied from its furthest-behind telemetry partition was
 stamped by its rank (so 1 s or so when it keeps up at 1 Hz). At the end, a summary: RSS growth from the
 first row after ``--warmup-min`` to the last while the ranks publish, the largest lag over those rows,
@@ -102,6 +104,12 @@ def _proc_stat(pid: int) -> tuple[float, float]:
     return rss_kb / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _host_busy() -> tuple[float, float]:
+    """(busy, total) CPU ticks of the whole machine since boot (/proc/stat): its load, whoever made it."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
+
+
 def soak(args) -> dict:
     settings = Settings(data_dir=f"/tmp/rankwatch-soak-{time.time_ns()}", partitions=args.partitions,
                         app_id=f"bench-soak-{time.time_ns()}")
@@ -121,11 +129,16 @@ def soak(args) -> dict:
             args=(stack.bootstrap, run, args.ranks, args.metrics, ticks, args.format == "binary", started))
         publisher.start()
         pids = [w.proc.pid for w in stack.workers]
+        # What else takes the machine: when the lag grows, whether the workers or the host ran out.
+        others = {"broker": stack.broker.pid, "publisher": publisher.pid}
         cpu_before = sum(_proc_stat(pid)[1] for pid in pids)
+        others_before = {name: _proc_stat(pid)[1] for name, pid in others.items()}
+        host_before = _host_busy()
         print(f"{args.ranks} ranks x {args.metrics} metrics at 1 Hz for {args.minutes} min on {args.broker}, "
               f"{args.workers} worker(s), {args.partitions} partitions", flush=True)
-        print("| min | sent | worker RSS MB | worker CPU % | lag s | alerts |", flush=True)
-        print("|---|---|---|---|---|---|", flush=True)
+        print("| min | sent | worker RSS MB | worker CPU % | broker CPU % | publisher CPU % | host busy % | lag s "
+              "| alerts |", flush=True)
+        print("|---|---|---|---|---|---|---|---|---|", flush=True)
         drain_until = None
         while True:
             time.sleep(args.every_s)
@@ -137,10 +150,19 @@ def soak(args) -> dict:
                    "rss": sum(r for r, _ in stats), "cpu": 100 * (cpu - cpu_before) / args.every_s,
                    "lag": reader.lag(now) if publishing else float("nan"), "alerts": len(reader.alerts),
                    "publishing": publishing}
-            cpu_before = cpu
+            for name, pid in others.items():
+                try:
+                    used = _proc_stat(pid)[1]
+                except (OSError, StopIteration):  # the publisher has finished
+                    used = others_before[name]
+                row[name] = 100 * (used - others_before[name]) / args.every_s
+                others_before[name] = used
+            host = _host_busy()
+            row["host"] = 100 * (host[0] - host_before[0]) / max(host[1] - host_before[1], 1)
+            cpu_before, host_before = cpu, host
             rows.append(row)
-            print(f"| {row['min']:.1f} | {row['sent']:,} | {row['rss']:.0f} | {row['cpu']:.0f} | {row['lag']:.1f} "
-                  f"| {row['alerts']} |", flush=True)
+            print(f"| {row['min']:.1f} | {row['sent']:,} | {row['rss']:.0f} | {row['cpu']:.0f} | {row['broker']:.0f} "
+                  f"| {row['publisher']:.0f} | {row['host']:.0f} | {row['lag']:.1f} | {row['alerts']} |", flush=True)
             if not publishing and drain_until is None:
                 drain_until = now + args.drain_s  # the last messages have been sent: let the worker finish
             if drain_until is not None and (len(reader.finals) == args.ranks or now >= drain_until):

@@ -79,6 +79,11 @@ class EmbeddedBroker:
     def bootstrap(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The broker's process (benches read its CPU); None when it is not started."""
+        return self._proc.pid if self._proc is not None else None
+
     def start(self, timeout_s: float = 10.0) -> EmbeddedBroker:
         binary = broker_binary()
         if not port_is_free(self.host, self.port):

@@ -182,6 +182,11 @@ class KafkaNode:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The broker's process (benches read its CPU); None when it is not started."""
+        return self.proc.pid if self.proc is not None else None
+
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM: a controlled shutdown (leadership moves away first); SIGKILL if it takes too long."""
         if self.proc is None:
