@@ -358,8 +358,11 @@ class RobustSpike(Detector):
         # The tail model carries over to the new model: starting it afresh from the half-normal
         # prior made every routine burst the new model does not predict (a loader hiccup every 23
         # steps beside an evaluation period of 25) a one-in-a-million point again for its next
-        # few occurrences. A period or line is adopted only where it predicts better, and the
-        # learned tail follows the new model's z within ``memory`` points.
+        # few occurrences. Leaving a line is the exception: its tail is mostly the line's own
+        # overshoot where the series turns (a daily cycle before its period is seen: one in a
+        # million at 11 sigmas), which the next model does not make, so it starts afresh.
+        if self.trending and not trending:
+            self.calib = TailModel(prior_counts(half_normal_sf, PRIOR_WEIGHT), memory=self.memory)
         self.period, self.trending = period, trending
 
     def update(self, values: np.ndarray) -> np.ndarray:
