@@ -110,6 +110,26 @@ def test_a_rhythm_is_held_even_with_other_alarms_between_its_occurrences():
 
 
 
+def test_a_routine_burst_learned_before_a_period_is_found_stays_learned_after():
+    # Throughput with an evaluation pause every 25 steps and a loader hiccup every 23 (clean1r_s1 of
+    # the corpus's clean runs): the period 25 comes and goes, and each time the tail model started
+    # afresh the hiccup it had learned was a one-in-a-million drop again (issue 18).
+    rng = np.random.default_rng(1)
+    t = np.arange(900)
+    x = 2700.0 * (1 + 0.05 * rng.normal(size=len(t)))
+    x[t % 23 == 22] *= 0.5
+    x[t % 25 == 0] /= 5
+    d = build("spike", direction="down")
+    flagged, periods = [], []
+    for i in range(len(x)):
+        if d.decide(d.update(x[i : i + 1]))[0]:
+            flagged.append(i)
+        periods.append(d.period)
+    assert 25 in periods and 0 in periods[300:]  # found, lost, found again
+    # The first hiccup and pause judged after warm-up are news (nothing says yet that they recur).
+    assert flagged == [45, 50]
+
+
 def test_a_spike_on_a_rising_series_is_seen_against_its_local_line():
     # Memory that grows 3 units a step: a rolling median lags it by half a window (~100 units, with
     # a MAD as wide), which hid a 60-unit spike; once the line predicts better, it is the yardstick.
