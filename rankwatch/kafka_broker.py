@@ -301,6 +301,11 @@ class KafkaBroker:
     def _proc(self) -> subprocess.Popen | None:  # as EmbeddedBroker's: `rankwatch broker` watches it
         return self._cluster.nodes[0].proc
 
+    @property
+    def pid(self) -> int | None:
+        """The broker's process (benches read its CPU); None when it is not started."""
+        return self._cluster.nodes[0].pid
+
     def start(self, timeout_s: float = 90.0) -> KafkaBroker:
         self._cluster.start(timeout_s)
         return self
