@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from rankwatch.contract import Alert, RankSignal
 from rankwatch.errors import RankwatchError
+from rankwatch.stream_processors import stored
 
 _ORDER = {"firing": 0, "resolved": 1}
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
@@ -80,14 +81,9 @@ class RunGroups:
         """The groups ``to_dict`` stored; GroupsStateError if this worker cannot read them."""
         if not d:
             return cls()
-        version = d.get("version", 1) if isinstance(d, dict) else None
-        if version != GROUPS_VERSION:
-            raise GroupsStateError(f"stored alert groups have version {version!r}; this worker reads version "
-                                   f"{GROUPS_VERSION} only")
-        try:
-            return cls(d["world_size"], {k: Group(**g) for k, g in d["groups"].items()}, pages=d.get("pages", {}))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise GroupsStateError(f"stored alert groups do not fit this worker: {type(exc).__name__}: {exc}") from None
+        return stored.read(
+            d, lambda f: cls(f["world_size"], {k: Group(**g) for k, g in f["groups"].items()}, pages=f.get("pages", {})),
+            version=GROUPS_VERSION, what="alert groups", error=GroupsStateError)
 
 
 @dataclass(frozen=True, kw_only=True)

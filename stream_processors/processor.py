@@ -17,6 +17,7 @@ import numpy as np
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, Rollup, Series, TelemetryBatch
 from rankwatch.errors import RankwatchError
+from rankwatch.stream_processors import stored
 from rankwatch.stream_processors.detectors import Detector, NonFinite
 from rankwatch.stream_processors.policies import AlertPolicy, Condition
 from rankwatch.stream_processors.rules import Rule, Rules, default_rules, detector_classes
@@ -74,15 +75,9 @@ class RankState:
         """The state ``to_dict`` stored; RankStateError if this worker cannot read it (``salvage`` then)."""
         if not d:
             return cls()
-        version = d.get("version", 1) if isinstance(d, dict) else None
-        if version != STATE_VERSION:
-            raise RankStateError(f"stored rank state has version {version!r}; this worker reads version "
-                                 f"{STATE_VERSION} only")
-        try:
-            return cls(d["producer"], d["seq"], {m: MetricState.from_dict(s) for m, s in d["metrics"].items()})
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # e.g. a detector parameter it lacks
-            raise RankStateError(f"stored rank state does not fit this worker's detectors: "
-                                 f"{type(exc).__name__}: {exc}") from None
+        return stored.read(
+            d, lambda f: cls(f["producer"], f["seq"], {m: MetricState.from_dict(s) for m, s in f["metrics"].items()}),
+            version=STATE_VERSION, what="rank state", error=RankStateError)
 
     @classmethod
     def salvage(cls, d: object) -> RankState:

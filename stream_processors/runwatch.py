@@ -46,6 +46,7 @@ import numpy as np
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, RankProgress
 from rankwatch.errors import RankwatchError
+from rankwatch.stream_processors import stored
 from rankwatch.stream_processors.clocks import OutageClock
 from rankwatch.stream_processors.detectors import CrossRank, Stall
 from rankwatch.stream_processors.detectors.stall import Stalled
@@ -154,16 +155,9 @@ class RunWatch:
         """A stored watch, its ages re-anchored at ``clock`` (this worker's outage clock now): the
         time the run's partition spent between owners is the monitor's own lag, not the ranks'
         silence, so it counts toward no stall. State of rules no longer in ``rules`` is dropped."""
-        version = d.get("version") if isinstance(d, dict) else None
-        if version != WATCH_VERSION:
-            raise WatchStateError(
-                f"stored run watch has version {version!r}; this worker reads version {WATCH_VERSION} only "
-                "(run workers of one version per consumer group)")
-        try:
-            return cls._read(d, rules, clock)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # e.g. a detector parameter it lacks
-            raise WatchStateError(f"stored run watch does not fit this worker's detectors: "
-                                  f"{type(exc).__name__}: {exc}") from None
+        # Versioned from its first release: a record without a version is not a watch.
+        return stored.read(d, lambda f: cls._read(f, rules, clock), version=WATCH_VERSION, what="run watch",
+                           error=WatchStateError, unversioned=None)
 
     @classmethod
     def _read(cls, d: dict, rules: Rules, clock: float) -> RunWatch:

@@ -186,7 +186,7 @@ def test_groups_of_another_layout_are_refused_never_misread():
         RunGroups.from_dict({**stored, "version": 9})
     for group in stored["groups"].values():
         group["learned_later"] = 1  # a newer release's field
-    with pytest.raises(GroupsStateError, match="do not fit this worker: TypeError.*learned_later"):
+    with pytest.raises(GroupsStateError, match="does not fit this worker: TypeError.*learned_later"):
         RunGroups.from_dict(stored)
 
 

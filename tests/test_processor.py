@@ -227,7 +227,7 @@ def test_a_state_of_another_version_is_rejected_never_misread():
         RankState.from_dict({**stored, "version": 99})
     # A detector field this worker does not know (a newer release's) is not dropped silently.
     stored["metrics"]["loss"]["detectors"]["spike"]["learned_later"] = 1.0
-    with pytest.raises(RankStateError, match="does not fit this worker's detectors: TypeError.*learned_later"):
+    with pytest.raises(RankStateError, match="does not fit this worker: TypeError.*learned_later"):
         RankState.from_dict(stored)
 
 

@@ -98,7 +98,7 @@ def test_a_detector_field_this_worker_lacks_is_refused_not_misread():
         watcher.observe(watch, p, now=p.ts)
     stored = _stored(watch)
     stored["tracks"]["compute_time_s"]["detector"]["learned_later"] = 1.0  # a newer release's state
-    with pytest.raises(WatchStateError, match="does not fit this worker's detectors: TypeError.*learned_later"):
+    with pytest.raises(WatchStateError, match="does not fit this worker: TypeError.*learned_later"):
         RunWatch.from_dict(stored, rules=default_rules(), clock=0.0)
 
 

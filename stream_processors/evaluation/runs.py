@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from rankwatch.contract import Alert, Control, EvalReport
 from rankwatch.contract.internal import Finding, RunUpdate
 from rankwatch.stream_processors.evaluation.progressive import IntervalAdvisor
-from rankwatch.stream_processors.evaluation.state import EVAL_STATE_VERSION, checked_fields
+from rankwatch.stream_processors import stored
+from rankwatch.stream_processors.evaluation.state import EVAL_STATE_VERSION, EvalStateError
 from rankwatch.stream_processors.evaluation.stats import Summary, compare
 
 
@@ -38,7 +39,10 @@ class RunState:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> RunState:
-        return cls(**checked_fields(d, cls.__dataclass_fields__, "eval run state")) if d else cls()
+        if not d:
+            return cls()
+        return stored.read(d, lambda f: cls(**f), version=EVAL_STATE_VERSION, what="eval run state",
+                           error=EvalStateError)
 
 
 @dataclass(frozen=True)

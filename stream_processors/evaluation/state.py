@@ -25,6 +25,7 @@ import numpy as np
 from rankwatch.contract import Control, EvalReport, EvalShard, encode_float
 from rankwatch.contract.codec import decode_float
 from rankwatch.errors import RankwatchError
+from rankwatch.stream_processors import stored
 from rankwatch.contract.internal import Finding, RunUpdate
 from rankwatch.stream_processors.evaluation.progressive import StopRule
 from rankwatch.stream_processors.evaluation.stats import composite, consistency, summarize
@@ -44,18 +45,6 @@ EVAL_STATE_VERSION = 1
 
 class EvalStateError(RankwatchError, ValueError):
     """A stored eval state this worker cannot read (another release's layout): never guess at it."""
-
-
-def checked_fields(d: dict, fields: dict, what: str) -> dict:
-    """``d`` without its version, if it is this release's layout of ``fields`` (a dataclass's)."""
-    version = d.get("version", 1)
-    if version != EVAL_STATE_VERSION:
-        raise EvalStateError(f"stored {what} has version {version!r}; this worker reads version "
-                             f"{EVAL_STATE_VERSION} only")
-    unknown = sorted(set(d) - {"version"} - {k for k in fields if not k.startswith("_")})
-    if unknown:
-        raise EvalStateError(f"stored {what} has fields this worker does not know: {unknown}")
-    return {k: v for k, v in d.items() if k != "version"}
 
 
 @dataclass
@@ -120,9 +109,12 @@ class EvalState:
     def from_dict(cls, d: dict | None) -> EvalState:
         if not d:
             return cls()
-        d = checked_fields(d, cls.__dataclass_fields__, "eval state")
-        d["values"] = {m: [decode_float(v) for v in vs] for m, vs in d.get("values", {}).items()}
-        return cls(**d)
+
+        def fields(f: dict) -> EvalState:
+            values = {m: [decode_float(v) for v in vs] for m, vs in f.pop("values", {}).items()}
+            return cls(**f, values=values)
+
+        return stored.read(d, fields, version=EVAL_STATE_VERSION, what="eval state", error=EvalStateError)
 
 
 @dataclass(frozen=True)
