@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from rankwatch.contract import Series, TelemetryBatch
+from rankwatch.contract import Series, TelemetryBatch, UrgentTelemetry
 
 MAX_VALUES = 16_384  # per message: ~400 KB of JSON, well under Kafka's default 1 MB message limit
 
@@ -41,17 +41,23 @@ class Outbox:
 
     def take(self, extra: Iterable[Triple] = (), *, final: bool = False) -> TelemetryBatch:
         """Every point waiting, and ``extra``, as the next message (``final``: the producer's last)."""
+        triples, self._triples = self._triples, []
+        batch = self._batch(TelemetryBatch, [*triples, *extra], final=final)
+        self._seq += 1
+        return batch
+
+    def urgent(self, triples: Iterable[Triple]) -> UrgentTelemetry:
+        """``triples`` for the NaN lane; they go out with the next message too, which keeps its number."""
+        return self._batch(UrgentTelemetry, triples)
+
+    def _batch(self, kind: type[TelemetryBatch], triples: Iterable[Triple], *, final: bool = False):
         steps: dict[str, list[int]] = defaultdict(list)
         values: dict[str, list[float]] = defaultdict(list)
-        triples, self._triples = self._triples, []
-        for part in (triples, extra):
-            for step, name, value in part:
-                steps[name].append(step)
-                values[name].append(value)
-        batch = TelemetryBatch(
+        for step, name, value in triples:
+            steps[name].append(step)
+            values[name].append(value)
+        return kind(
             run=self.run, rank=self.rank, world_size=self.world_size, producer=self.producer,
             seq=self._seq, ts=time.time(), final=final,
             series={n: Series(np.asarray(steps[n], dtype=np.int64), np.asarray(values[n])) for n in steps},
         )
-        self._seq += 1
-        return batch

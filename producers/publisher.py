@@ -4,7 +4,9 @@
 tensor sync; about a microsecond). A daemon sender thread wakes every 0.1 s, drains the deque and
 turns values into floats without waiting on a device (``rankwatch.producers.values``). It batches many steps
 of many metrics into one message once the oldest point has waited ``linger_s`` (0.5 s), or at once
-when a value is NaN or infinite, and appends it to a local spool (``rankwatch.producers.spool``). A shipper
+when a value is NaN or infinite, and appends it to a local spool (``rankwatch.producers.spool``). A
+metric's first non-finite value after finite ones also goes ahead of it, alone, to ``rankwatch.urgent``
+(``UrgentTelemetry``), so that a worker behind on telemetry still pages at once. A shipper
 process (``rankwatch.producers.shipper``) sends the spool to Kafka: the Kafka client's CPU, and the GIL it
 would hold, stay out of the training process (``bench/step_cost.py``). A broker that is down or
 slow costs the training thread nothing: messages wait in the spool (up to ``max_spool_bytes``),
@@ -46,6 +48,7 @@ from rankwatch.producers.shipper import ShipperProcess
 from rankwatch.producers.spool import SpoolWriter, default_root
 from rankwatch.producers.system import ProcessSampler, Sampler
 from rankwatch.producers.values import Chunk
+
 from rankwatch.contract import HEARTBEAT, MessageTooLarge, TelemetryBatch, check_size
 from rankwatch.settings import DEFAULT_BOOTSTRAP, TELEMETRY_FORMATS, Settings
 
@@ -54,6 +57,9 @@ log = logging.getLogger(__name__)
 _STOP = object()
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 _STOP_GRACE_S = 2.0  # how long close() waits for device values still on their way to the host
+# Finite points after a NaN that the lane still sends ahead of the next one: more than any rule's
+# ``resolve_after`` (5 by default) needs to tell that the condition resolved in between.
+_LANE_CALM = 32
 _POLL_S = 0.1  # how often the sender reads what was logged: a NaN waits no longer than this to be sent
 
 
@@ -142,6 +148,8 @@ class RankPublisher:
         self._outbox = Outbox(run=run, rank=self.rank, world_size=self.world_size, producer=self.producer_id)
         self._logged = self._dropped = self._failed = self._invalid = self._heartbeats = 0
         self._warned: set[str] = set()
+        # metric -> its finite points since its last NaN or infinity, until there are _LANE_CALM of them
+        self._since_nonfinite: dict[str, list[Triple]] = {}
         self._started = time.monotonic()
         # The sender notes when it last saw log() activity (to within 0.1 s), which keeps the
         # clock read off the training thread.
@@ -355,6 +363,10 @@ class RankPublisher:
                     self._send_outbox()
                 self._outbox.add(triples)
             urgent = any(not math.isfinite(value) for _, _, value in triples)
+            if urgent or self._since_nonfinite:
+                turned = self._turned_nonfinite(triples)
+                if turned:  # ahead of the telemetry that carries them too
+                    self._try_send(self._outbox.urgent(turned))
             if chunk.final:
                 # The last word carries the samplers' readings, so a run shorter than one heartbeat
                 # still reports its memory; with nothing else left to send, it is a heartbeat.
@@ -369,6 +381,27 @@ class RankPublisher:
         finally:
             for marker in chunk.markers:
                 marker.set()
+
+    def _turned_nonfinite(self, triples: list[Triple]) -> list[Triple]:
+        """For the NaN lane: each non-finite point of a metric that follows finite ones (or none),
+        after the finite points since the metric's previous non-finite one, if that was less than
+        ``_LANE_CALM`` points ago: the worker tells from them whether stage 1 resolved in between."""
+        turned = []
+        for triple in triples:
+            name = triple[1]
+            calm = self._since_nonfinite.get(name)
+            if math.isfinite(triple[2]):
+                if calm is not None:
+                    calm.append(triple)
+                    if len(calm) >= _LANE_CALM:
+                        del self._since_nonfinite[name]
+                continue
+            if calm is None:
+                turned.append(triple)
+            elif calm:
+                turned += [*calm, triple]
+            self._since_nonfinite[name] = []
+        return turned
 
     def _send_outbox(self) -> None:
         self._try_send(self._outbox.take())

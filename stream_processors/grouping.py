@@ -8,6 +8,15 @@ latency than the slowest rank's telemetry. ``group_wait_s`` bounds the wait for 
 silent. Ranks that join later re-send the alert with the longer list. When the last rank
 resolves, one ``resolved`` alert names every rank the incident touched.
 
+A NaN should page within a fraction of a second even when the worker is behind on telemetry, so
+the publisher also sends a rank's non-finite values on a lane of their own (``UrgentTelemetry``,
+``urgent.py``), which arrive here as ``urgent`` signals ahead of the ranks' progress. An urgent
+group is due ``urgent_wait_s`` after its first signal (enough for the other ranks' lane signals of
+an all-reduced NaN to join it), not when every rank has passed its step; ranks joining after that
+first page wait ``group_wait_s`` as usual. Stage 1's own signal for the same transition follows as
+a replay. The lane can only move a condition on: an urgent firing for a rank last seen firing, or an
+urgent resolution for one that is not, is dropped, and stage 1 says what the lane cannot see.
+
 Signals arrive at least once. Each rank's last applied transition is kept, so a replayed signal
 (same or older incident and status) changes nothing and re-emits nothing.
 
@@ -52,6 +61,7 @@ class Group:
     pending_step: int = 0  # step of the first unsent rank: the group is due when all ranks pass it
     first: dict | None = None  # the first firing signal of the incident (its alert, as a dict)
     last_seen: dict[str, list] = field(default_factory=dict)  # rank -> [incident, status order]
+    urgent: bool = False  # the pending ranks came from the NaN lane: due after ``urgent_wait_s``
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,6 +99,7 @@ class RunGroups:
 @dataclass(frozen=True, kw_only=True)
 class Grouper:
     group_wait_s: float = 1.0
+    urgent_wait_s: float = 0.05
 
     def add(self, state: RunGroups, signal: RankSignal, now: float) -> list[Alert]:
         """Apply one rank's transition; return alerts that are due now."""
@@ -97,6 +108,8 @@ class Grouper:
         gkey = Alert.make_key(a.run, a.detector, a.metric)
         group = state.groups.setdefault(gkey, Group())
         seen = group.last_seen.get(str(a.rank))
+        if signal.urgent and (seen is not None and seen[1] == _ORDER["firing"]) == (a.status == "firing"):
+            return []  # the lane moves a rank's condition on, never back: stage 1 knows what it missed
         mark = [a.incident, _ORDER[a.status]]
         if seen is not None and mark <= seen:
             return []  # a replay
@@ -113,6 +126,7 @@ class Grouper:
             if group.pending_since is None:
                 group.pending_since, group.pending_step = now, a.step
             group.pending_step = min(group.pending_step, a.step)
+            group.urgent = group.urgent or (signal.urgent and not group.emitted)  # its first page only
             if len(group.ranks) >= state.world_size or self._all_past(state, group.pending_step):
                 return self._flush(state, gkey, group, now)
             return []
@@ -150,12 +164,13 @@ class Grouper:
         """Alerts whose group wait has passed."""
         out = []
         for gkey, group in state.groups.items():
-            if group.pending_since is not None and now - group.pending_since >= self.group_wait_s:
+            wait = self.urgent_wait_s if group.urgent else self.group_wait_s
+            if group.pending_since is not None and now - group.pending_since >= wait:
                 out += self._flush(state, gkey, group, now)
         return out
 
     def _flush(self, state: RunGroups, gkey: str, group: Group, now: float) -> list[Alert]:
-        group.pending_since = None
+        group.pending_since, group.urgent = None, False
         if not set(group.ranks) - set(group.emitted) or group.first is None:
             return []  # nothing new since the last alert of this incident
         group.emitted = sorted(set(group.emitted) | set(group.ranks))

@@ -84,7 +84,7 @@ def test_telemetry_key_is_run_and_rank():
 
 
 def test_topics_are_distinct_and_namespaced():
-    assert len(set(contract.TOPICS)) == len(contract.TOPICS) == 6
+    assert len(set(contract.TOPICS)) == len(contract.TOPICS) == 7
     assert all(t.startswith("rankwatch.") for t in contract.TOPICS)
 
 

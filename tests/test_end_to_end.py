@@ -117,6 +117,38 @@ def test_closed_step_windows_are_rolled_up_to_reports(bootstrap, run_id):
     assert (by_start[0]["min"], by_start[0]["max"]) == (0.0, 9.0)
 
 
+def test_a_nan_on_the_urgent_lane_pages_alone_and_stage_one_only_replays_it(bootstrap, run_id):
+    # Ranks 0, 2 and 3 never report, and rank 1's telemetry comes only after the page: a worker far
+    # behind on telemetry. The lane's message alone must page.
+    lane = contract.UrgentTelemetry(**vars(_batch(run_id, 1, 0, [float("nan")], first_step=30)))
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    producer.send(contract.URGENT, lane.to_bytes(binary=True), key=lane.key)
+    producer.flush()
+    [page] = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id)
+    assert (page["status"], page["detector"], page["ranks"], page["step"]) == ("firing", "nonfinite", [1], 30)
+
+    key = contract.telemetry_key(run_id, 1)
+    _send(bootstrap, (key, _batch(run_id, 1, 0, [1.0] * 20 + [float("nan")], first_step=10).to_bytes()),
+          (key, _batch(run_id, 1, 1, [1.0] * 5, first_step=31).to_bytes()))
+    alerts = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id,
+                          until=lambda found: any(a["status"] == "resolved" for a in found))
+    # Stage 1's firing for the same NaN went to stage 2 before its resolution did: it was dropped as a replay.
+    assert [(a["status"], a["incident"]) for a in alerts] == [("firing", 30), ("resolved", 30)]
+
+
+def test_the_publisher_sends_a_metrics_first_nan_on_the_lane_once_per_change(bootstrap, run_id):
+    publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
+    for step, loss in enumerate([1.0, 1.0, float("nan"), float("nan"), 1.0, float("inf"), float("nan")]):
+        publisher.log({"loss": loss, "lr": 0.1}, step)
+    assert publisher.flush(timeout_s=60)
+    publisher.close()
+    lane = consume_json(bootstrap, contract.URGENT, lambda b: b.get("run") == run_id, count=3, timeout_s=5)
+    assert all(list(b["series"]) == ["loss"] for b in lane)
+    # Each NaN or infinity that follows finite points; the second one after the calm since the first.
+    points = [point for b in lane for point in zip(b["series"]["loss"]["steps"], b["series"]["loss"]["values"])]
+    assert points == [(2, "NaN"), (4, 1.0), (5, "Infinity")]
+
+
 def test_hook_publishes_the_grad_norm_clip_grad_norm_computes(bootstrap, run_id):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))

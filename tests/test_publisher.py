@@ -209,7 +209,8 @@ def test_points_share_a_message_until_the_linger_passes_but_a_nan_goes_at_once(b
     publisher.log({"loss": 2.0}, 6)
     assert publisher.flush(timeout_s=10)  # flush() does not wait for the linger either
     publisher.close()
-    assert publisher.stats().sent == 3  # the NaN's batch, the flushed one, close()'s final heartbeat
+    # The NaN on the lane (rankwatch.urgent), its batch, the flushed one, close()'s final heartbeat
+    assert publisher.stats().sent == 4
     batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run_id, count=3)
     last = max(batches, key=lambda b: b["seq"])
     assert last["final"] and set(last["series"]) == {HEARTBEAT}  # nothing left to send: a final heartbeat

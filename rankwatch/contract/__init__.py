@@ -46,6 +46,7 @@ from rankwatch.contract.telemetry import (
     Rollup,
     Series,
     TelemetryBatch,
+    UrgentTelemetry,
     telemetry_key,
 )
 from rankwatch.contract.topics import (
@@ -58,14 +59,15 @@ from rankwatch.contract.topics import (
     RUN_EVENTS,
     TELEMETRY,
     TOPICS,
+    URGENT,
 )
 from rankwatch.errors import SchemaError
 
 __all__ = [
     "SCHEMA_VERSION", "MAX_MESSAGE_BYTES", "MessageTooLarge", "check_size",
-    "TOPICS", "TELEMETRY", "EVAL_SHARDS", "ALERTS", "REPORTS", "CONTROL", "DEADLETTER",
+    "TOPICS", "TELEMETRY", "EVAL_SHARDS", "ALERTS", "REPORTS", "CONTROL", "DEADLETTER", "URGENT",
     "STATUSES", "SEVERITIES", "CONTROL_ACTIONS", "SchemaError",
-    "Series", "TelemetryBatch", "Rollup", "Alert", "DeadLetter", "EvalShard", "EvalReport", "Control",
+    "Series", "TelemetryBatch", "UrgentTelemetry", "Rollup", "Alert", "DeadLetter", "EvalShard", "EvalReport", "Control",
     "RankSignal", "RankProgress", "ProgressBatch", "RunUpdate", "Finding", "decode_run_event", "RUN_EVENTS", "INTERNAL_TOPICS",
     "HEARTBEAT", "COLLECTIVE_WAIT", "telemetry_key", "eval_key", "encode_float", "decode_float", "decode_any",
 ]

@@ -14,7 +14,14 @@ from dataclasses import asdict, dataclass, field
 
 from rankwatch.contract.alerts import Alert
 from rankwatch.contract.codec import (
-    SCHEMA_VERSION, decode_any, decode_tree, dumps, encode_tree, field_of, loads, ts_field,
+    SCHEMA_VERSION,
+    decode_any,
+    decode_tree,
+    dumps,
+    encode_tree,
+    field_of,
+    loads,
+    ts_field,
 )
 from rankwatch.contract.evaluation import EvalReport
 from rankwatch.contract.telemetry import Series, decode_series, encode_series
@@ -24,10 +31,12 @@ from rankwatch.errors import SchemaError
 
 @dataclass(frozen=True)
 class RankSignal:
-    """One rank's condition changed (``alert`` has that rank); stage 2 groups it with its peers."""
+    """One rank's condition changed (``alert`` has that rank); stage 2 groups it with its peers.
+    ``urgent``: from the NaN lane (``UrgentTelemetry``), ahead of stage 1, whose own signal follows."""
 
     alert: Alert
     world_size: int
+    urgent: bool = False
 
     KIND = "rank_signal"
     TOPIC = RUN_EVENTS
@@ -37,13 +46,15 @@ class RankSignal:
         return self.alert.run.encode()
 
     def to_bytes(self) -> bytes:
+        extra = {"urgent": True} if self.urgent else {}
         return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, "world_size": self.world_size,
-                      "alert": self.alert.to_dict()})
+                      "alert": self.alert.to_dict(), **extra})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RankSignal:
         obj = loads(data, cls.KIND)
-        return cls(alert=Alert.from_dict(field_of(obj, "alert", dict)), world_size=field_of(obj, "world_size", int))
+        return cls(alert=Alert.from_dict(field_of(obj, "alert", dict)), world_size=field_of(obj, "world_size", int),
+                   urgent=field_of(obj, "urgent", bool) if "urgent" in obj else False)
 
 
 @dataclass(frozen=True)

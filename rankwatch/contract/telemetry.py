@@ -19,7 +19,7 @@ from rankwatch.contract.codec import (
     loads,
     ts_field,
 )
-from rankwatch.contract.topics import REPORTS, TELEMETRY
+from rankwatch.contract.topics import REPORTS, TELEMETRY, URGENT
 from rankwatch.errors import SchemaError
 
 #: Metrics the publisher's sender thread adds to each heartbeat, which the processors read by name:
@@ -148,6 +148,21 @@ class TelemetryBatch:
             ts=ts_field(obj),
             series=series,
         )
+
+
+@dataclass(frozen=True)
+class UrgentTelemetry(TelemetryBatch):
+    """The NaN lane, on ``rankwatch.urgent``: a metric's non-finite value that follows finite ones,
+    after the finite points since its previous non-finite value (if that was recent), in the
+    telemetry format. The publisher sends it ahead of the telemetry that carries the same points,
+    so that a worker behind on telemetry pages at once; stage 1's transitions for them follow as
+    replays. Keyed by run, like the run events it joins on the worker."""
+
+    TOPIC = URGENT
+
+    @property
+    def key(self) -> bytes:
+        return self.run.encode()
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ ALERTS = "rankwatch.alerts"
 REPORTS = "rankwatch.reports"
 CONTROL = "rankwatch.control"
 DEADLETTER = "rankwatch.deadletter"
-TOPICS = (TELEMETRY, EVAL_SHARDS, ALERTS, REPORTS, CONTROL, DEADLETTER)
+#: A rank's first non-finite value of a metric, also sent here ahead of its telemetry: a worker
+#: behind on telemetry still pages within a fraction of a second (``UrgentTelemetry``).
+URGENT = "rankwatch.urgent"
+TOPICS = (TELEMETRY, EVAL_SHARDS, ALERTS, REPORTS, CONTROL, DEADLETTER, URGENT)
 
 #: Between the processors' two stages (per-rank, then per-run). Internal: its schema may change
 #: between releases, and only rankwatch workers read it.
