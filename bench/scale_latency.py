@@ -32,7 +32,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from rankwatch import contract
 from rankwatch.broker import free_port
-from rankwatch.contract import Alert
+from rankwatch.contract import Alert, UrgentTelemetry
 from rankwatch.producers import RankPublisher
 from rankwatch.settings import Settings
 from rankwatch.sim import QuietRanks, paced
@@ -58,13 +58,16 @@ class AlertWatch(threading.Thread):
         super().__init__(daemon=True)
         self.bootstrap, self.run_id = bootstrap, run  # not self.run: that is Thread's method
         self.seen_at: dict[int, float] = {}  # incident step -> time read
+        self.made_at: dict[int, float] = {}  # incident step -> the alert's ts: when the worker made it
+        self.lane_at: dict[int, float] = {}  # step -> when rank 0's NaN was readable on rankwatch.urgent
         self.false: list[Alert] = []
         self.stop = threading.Event()
         self.ready = threading.Event()
 
     def run(self) -> None:  # noqa: D102 (Thread.run)
         consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, fetch_max_wait_ms=10, enable_auto_commit=False)
-        tps = [TopicPartition(contract.ALERTS, p) for p in consumer.partitions_for_topic(contract.ALERTS)]
+        tps = [TopicPartition(topic, p) for topic in (contract.ALERTS, contract.URGENT)
+               for p in consumer.partitions_for_topic(topic)]
         consumer.assign(tps)
         consumer.seek_to_end(*tps)
         consumer.poll(timeout_ms=0)
@@ -73,15 +76,26 @@ class AlertWatch(threading.Thread):
             for records in consumer.poll(timeout_ms=20).values():
                 now = time.time()
                 for r in records:
+                    if r.topic == contract.URGENT:
+                        self._lane(r.value, now)
+                        continue
                     a = Alert.from_bytes(r.value)
                     if a.run != self.run_id or a.status != "firing":
                         continue
                     ranks = set(a.ranks) | ({a.rank} if a.rank is not None else set())
                     if a.detector == "nonfinite" and ranks == {0}:
                         self.seen_at.setdefault(a.incident, now)
+                        self.made_at.setdefault(a.incident, a.ts)
                     elif ranks - {0} or a.rank is None:
                         self.false.append(a)
         consumer.close()
+
+    def _lane(self, value: bytes, now: float) -> None:
+        batch = UrgentTelemetry.from_bytes(value)
+        loss = batch.series.get("loss")
+        if batch.run == self.run_id and batch.rank == 0 and loss is not None:
+            for step in loss.steps[~np.isfinite(loss.values)].tolist():
+                self.lane_at.setdefault(step, now)
 
 
 def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int, binary: bool = False) -> dict:
@@ -112,9 +126,17 @@ def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int, bin
     watch.stop.set()
     watch.join()
     lat = np.array([watch.seen_at[s] - t for s, t in sent_at.items() if s in watch.seen_at]) * 1000
+    # Where the time went: log() to the worker's alert (publisher, shipper, broker, the worker's
+    # queue and grouping wait), then the alert to this reader (broker, fetch).
+    made = np.array([watch.made_at[s] - t for s, t in sent_at.items() if s in watch.made_at]) * 1000
+    lane = np.array([watch.lane_at[s] - t for s, t in sent_at.items() if s in watch.lane_at]) * 1000
     pct = (lambda q: float(np.percentile(lat, q))) if len(lat) else (lambda q: float("nan"))
     return {"ranks": ranks, "trials": len(sent_at), "missed": len(sent_at) - len(lat), "p50": pct(50),
             "p99": pct(99), "max": float(lat.max()) if len(lat) else float("nan"), "false": len(watch.false),
+            "made_p50": float(np.percentile(made, 50)) if len(made) else float("nan"),
+            "made_p99": float(np.percentile(made, 99)) if len(made) else float("nan"),
+            "lane_p50": float(np.percentile(lane, 50)) if len(lane) else float("nan"),
+            "lane_p99": float(np.percentile(lane, 99)) if len(lane) else float("nan"),
             "false_kinds": sorted({f"{a.detector}:{a.metric}" for a in watch.false})}
 
 
@@ -138,12 +160,13 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load {load[0]:.1f}/{load[1]:.1f}; "
           f"NaN-to-alert, 1 worker, {args.metrics} metrics per rank, 1 step/s, quiet ranks in {args.format}")
-    print("| quiet ranks | values/s | NaNs | missed | p50 ms | p99 ms | max ms | alerts on quiet ranks |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| quiet ranks | values/s | NaNs | missed | p50 ms | p99 ms | max ms | readable on rankwatch.urgent p50 / p99 ms "
+          "| to the worker's alert p50 / p99 ms | alerts on quiet ranks |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         kinds = f" ({', '.join(r['false_kinds'])})" if r["false"] else ""
         print(f"| {r['ranks']} | {(r['ranks'] + 1) * args.metrics:,} | {r['trials']} | {r['missed']} | {r['p50']:.0f} "
-              f"| {r['p99']:.0f} | {r['max']:.0f} | {r['false']}{kinds} |")
+              f"| {r['p99']:.0f} | {r['max']:.0f} | {r['lane_p50']:.0f} / {r['lane_p99']:.0f} | {r['made_p50']:.0f} / {r['made_p99']:.0f} | {r['false']}{kinds} |")
     if not args.no_prometheus:
         compare_with_prometheus(rows, args.metrics, args.trials, args.gap_steps)
 

@@ -11,6 +11,10 @@ import faust
 from rankwatch.settings import Settings
 from rankwatch.stream_processors.clocks import OutageClock
 
+POLL_RECORDS = 500  # records a poll returns, at most
+BUFFER_RECORDS = 1000  # a stream's buffer: about a second of stage 1's work at one step a message
+FETCH_BYTES = 64 * 1024  # per partition and fetch
+
 
 class App(faust.App):
     """Faust's app with one hook: ``before_ack_wait`` runs before Faust waits for every event taken
@@ -63,6 +67,12 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_linger=0.005,
+        # Faust's delivery loop hands every fetched record to its stream's buffer, and waits when
+        # that buffer is full: records of the NaN lane fetched behind a large poll of telemetry wait
+        # for stage 1 to work through it. Small polls and buffers keep that wait short (issue 16).
+        broker_max_poll_records=POLL_RECORDS,
+        stream_buffer_maxsize=BUFFER_RECORDS,
+        consumer_max_fetch_size=FETCH_BYTES,
         Table=tables.Table,  # tracks its changelog in the producer's metadata (Apache Kafka needs it)
         **settings.security.faust(),  # SASL/TLS: broker_credentials
         **extra,
