@@ -5,7 +5,7 @@ tensor sync; about a microsecond). A daemon sender thread wakes every 0.1 s, dra
 turns values into floats without waiting on a device (``rankwatch.producers.values``). It batches many steps
 of many metrics into one message once the oldest point has waited ``linger_s`` (0.5 s), or at once
 when a value is NaN or infinite, and appends it to a local spool (``rankwatch.producers.spool``). A
-metric's first non-finite value after finite ones also goes ahead of it, alone, to ``rankwatch.urgent``
+metric's non-finite value that follows finite ones also goes ahead of it to ``rankwatch.urgent``
 (``UrgentTelemetry``), so that a worker behind on telemetry still pages at once. A shipper
 process (``rankwatch.producers.shipper``) sends the spool to Kafka: the Kafka client's CPU, and the GIL it
 would hold, stay out of the training process (``bench/step_cost.py``). A broker that is down or
@@ -48,7 +48,6 @@ from rankwatch.producers.shipper import ShipperProcess
 from rankwatch.producers.spool import SpoolWriter, default_root
 from rankwatch.producers.system import ProcessSampler, Sampler
 from rankwatch.producers.values import Chunk
-
 from rankwatch.contract import HEARTBEAT, MessageTooLarge, TelemetryBatch, check_size
 from rankwatch.settings import DEFAULT_BOOTSTRAP, TELEMETRY_FORMATS, Settings
 

@@ -67,9 +67,10 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_linger=0.005,
-        # Faust's delivery loop hands every fetched record to its stream's buffer, and waits when
-        # that buffer is full: records of the NaN lane fetched behind a large poll of telemetry wait
-        # for stage 1 to work through it. Small polls and buffers keep that wait short (issue 16).
+        # aiokafka hands out a poll's records partition by partition, each to its end: a NaN-lane
+        # record fetched beside megabytes of telemetry waited for stage 1 to work through all of it.
+        # Small fetches keep that to a few hundred messages; small polls and buffers keep the
+        # telemetry held in the process near a second's worth (issue 16, docs/performance.md).
         broker_max_poll_records=POLL_RECORDS,
         stream_buffer_maxsize=BUFFER_RECORDS,
         consumer_max_fetch_size=FETCH_BYTES,

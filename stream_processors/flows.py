@@ -6,6 +6,10 @@ import logging
 import time
 
 import faust
+
+from rankwatch import contract
+from rankwatch.contract import ProgressBatch, RankSignal, TelemetryBatch, UrgentTelemetry, decode_run_event
+from rankwatch.settings import Settings
 from rankwatch.stream_processors.batching import process_batch
 from rankwatch.stream_processors.clocks import LagWatch, OutageClock
 from rankwatch.stream_processors.grouping import Grouper, GroupsStateError, RunGroups
@@ -16,10 +20,6 @@ from rankwatch.stream_processors.state_writes import StateWrites
 from rankwatch.stream_processors.tables import is_part
 from rankwatch.stream_processors.topics import dead_letterer, decoded, encoded, raw_topic, send_all
 from rankwatch.stream_processors.urgent import urgent_signals
-
-from rankwatch import contract
-from rankwatch.contract import ProgressBatch, RankSignal, TelemetryBatch, UrgentTelemetry, decode_run_event
-from rankwatch.settings import Settings
 
 log = logging.getLogger(__name__)
 

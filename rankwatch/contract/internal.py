@@ -14,14 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from rankwatch.contract.alerts import Alert
 from rankwatch.contract.codec import (
-    SCHEMA_VERSION,
-    decode_any,
-    decode_tree,
-    dumps,
-    encode_tree,
-    field_of,
-    loads,
-    ts_field,
+    SCHEMA_VERSION, decode_any, decode_tree, dumps, encode_tree, field_of, loads, ts_field,
 )
 from rankwatch.contract.evaluation import EvalReport
 from rankwatch.contract.telemetry import Series, decode_series, encode_series

@@ -6,8 +6,8 @@ ALERTS = "rankwatch.alerts"
 REPORTS = "rankwatch.reports"
 CONTROL = "rankwatch.control"
 DEADLETTER = "rankwatch.deadletter"
-#: A rank's first non-finite value of a metric, also sent here ahead of its telemetry: a worker
-#: behind on telemetry still pages within a fraction of a second (``UrgentTelemetry``).
+#: The NaN lane: a metric's NaN or infinity that follows finite values, also sent here ahead of
+#: its telemetry, so that a worker behind on telemetry still pages (``UrgentTelemetry``).
 URGENT = "rankwatch.urgent"
 TOPICS = (TELEMETRY, EVAL_SHARDS, ALERTS, REPORTS, CONTROL, DEADLETTER, URGENT)
 
