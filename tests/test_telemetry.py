@@ -27,9 +27,11 @@ pytestmark = pytest.mark.broker
 
 
 def read_series(bootstrap: str, run: str, sent: int) -> dict[tuple[int, str], list[tuple[int, float]]]:
-    """Every (step, value) per (rank, metric) of ``run``, from ``sent`` messages, in send order."""
-    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run, count=sent)
-    assert len(batches) == sent
+    """Every (step, value) per (rank, metric) of ``run``, from ``sent`` messages, in send order.
+    ``sent`` counts the NaN lane's messages too (``rankwatch.urgent``), already on the broker."""
+    lane = consume_json(bootstrap, contract.URGENT, lambda b: b.get("run") == run, count=sent, timeout_s=3)
+    batches = consume_json(bootstrap, contract.TELEMETRY, lambda b: b.get("run") == run, count=sent - len(lane))
+    assert len(batches) + len(lane) == sent
     out: dict[tuple[int, str], list[tuple[int, float]]] = defaultdict(list)
     for batch in sorted(batches, key=lambda b: (b["rank"], b["seq"])):
         for name, series in batch["series"].items():
