@@ -130,14 +130,14 @@ def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int, bin
     # queue and grouping wait), then the alert to this reader (broker, fetch).
     made = np.array([watch.made_at[s] - t for s, t in sent_at.items() if s in watch.made_at]) * 1000
     lane = np.array([watch.lane_at[s] - t for s, t in sent_at.items() if s in watch.lane_at]) * 1000
-    pct = (lambda q: float(np.percentile(lat, q))) if len(lat) else (lambda q: float("nan"))
-    return {"ranks": ranks, "trials": len(sent_at), "missed": len(sent_at) - len(lat), "p50": pct(50),
-            "p99": pct(99), "max": float(lat.max()) if len(lat) else float("nan"), "false": len(watch.false),
-            "made_p50": float(np.percentile(made, 50)) if len(made) else float("nan"),
-            "made_p99": float(np.percentile(made, 99)) if len(made) else float("nan"),
-            "lane_p50": float(np.percentile(lane, 50)) if len(lane) else float("nan"),
-            "lane_p99": float(np.percentile(lane, 99)) if len(lane) else float("nan"),
+    return {"ranks": ranks, "trials": len(sent_at), "missed": len(sent_at) - len(lat), "p50": _pct(lat, 50),
+            "p99": _pct(lat, 99), "max": _pct(lat, 100), "false": len(watch.false),
+            "made_p50": _pct(made, 50), "made_p99": _pct(made, 99), "lane_p50": _pct(lane, 50), "lane_p99": _pct(lane, 99),
             "false_kinds": sorted({f"{a.detector}:{a.metric}" for a in watch.false})}
+
+
+def _pct(ms: np.ndarray, q: float) -> float:
+    return float(np.percentile(ms, q)) if len(ms) else float("nan")
 
 
 def main() -> None:

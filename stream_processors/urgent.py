@@ -15,11 +15,11 @@ Pure: no Faust, no clock.
 from __future__ import annotations
 
 import numpy as np
+
+from rankwatch.contract import RankSignal, TelemetryBatch
 from rankwatch.stream_processors.detectors import NonFinite
 from rankwatch.stream_processors.policies import AlertPolicy, Condition
 from rankwatch.stream_processors.rules import Rules
-
-from rankwatch.contract import RankSignal, TelemetryBatch
 
 
 def urgent_signals(rules: Rules, batch: TelemetryBatch, now: float) -> list[RankSignal]:

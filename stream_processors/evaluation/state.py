@@ -24,9 +24,9 @@ import numpy as np
 
 from rankwatch.contract import Control, EvalReport, EvalShard, encode_float
 from rankwatch.contract.codec import decode_float
+from rankwatch.contract.internal import Finding, RunUpdate
 from rankwatch.errors import RankwatchError
 from rankwatch.stream_processors import stored
-from rankwatch.contract.internal import Finding, RunUpdate
 from rankwatch.stream_processors.evaluation.progressive import StopRule
 from rankwatch.stream_processors.evaluation.stats import composite, consistency, summarize
 
