@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -13,6 +14,7 @@ from rankwatch.settings import Settings
 from rankwatch.stream_processors.batching import process_batch
 from rankwatch.stream_processors.clocks import LagWatch, OutageClock
 from rankwatch.stream_processors.grouping import Grouper, GroupsStateError, RunGroups
+from rankwatch.stream_processors.lane import LaneMarks, LaneReader
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher, WatchStateError, tick_mark
@@ -116,30 +118,77 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             write_states()
             processed(events, time.time())
 
+    marks = LaneMarks()  # which of the lane's two readers applies each record
+
+    def group_urgent(batch: UrgentTelemetry, partition: int):
+        """The lane's signals grouped on the run's partition: what to send, and the run's state to
+        write after it (None: not co-partitioned with run events, a topic made by hand with another
+        count, so the signals go to the run's owner, in order with the run's other events)."""
+        key, now = batch.run.encode(), time.time()
+        signals = urgent_signals(rules, batch, now)
+        if partition != run_state.partition_of(key):
+            return encoded(*signals), key, None
+        state = run_groups(key)
+        return encoded(*(a for signal in signals for a in grouper.add(state, signal, now))), key, state
+
+    async def send_urgent(messages, key: bytes, state: RunGroups | None) -> None:
+        await send_all(out_topics, messages)
+        if state is not None:
+            run_state[key] = state  # after its alerts are in, as in stage 2
+            if state.waiting():
+                waiting.add(key)
+
     @app.agent(raw_topic(app, contract.URGENT), name="urgent")
     async def process_urgent(stream):
         # The NaN lane (``urgent``), grouped here: behind the run's progress on its run-events
-        # partition, it would wait for the telemetry backlog it exists to skip.
+        # partition, it would wait for the telemetry backlog it exists to skip. ``read_lane`` gets
+        # most records first; this agent applies the rest and is the one that commits.
         async for event, batch in decoded(stream.events(), UrgentTelemetry.from_bytes, dead_letter, "urgent telemetry"):
+            if not marks.by_agent(event.message.partition, event.message.offset):
+                continue
             try:
-                key, now = batch.run.encode(), time.time()
-                signals = urgent_signals(rules, batch, now)
-                if event.message.partition != run_state.partition_of(key):
-                    # Not co-partitioned with run events (a topic made by hand with another count):
-                    # the run's owner groups them, in order with the run's other events.
-                    await send_all(out_topics, encoded(*signals))
-                    continue
-                state = run_groups(key)
-                messages = encoded(*(a for signal in signals for a in grouper.add(state, signal, now)))
+                out = group_urgent(batch, event.message.partition)
             except Exception as exc:  # a bug must not stop the worker; the message is kept
                 log.exception("urgent %s[%d]@%d failed", event.message.topic, event.message.partition,
                               event.message.offset)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
                 continue
-            await send_all(out_topics, messages)
-            run_state[key] = state  # after its alerts are in, as in stage 2
-            if state.waiting():
-                waiting.add(key)
+            await send_urgent(*out)
+
+    @app.task
+    async def read_lane():
+        # The lane from a consumer of its own (``lane.py``): Faust's consumer would hand its records
+        # out behind the telemetry fetched beside them.
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        reader = LaneReader(settings.bootstrap, contract.URGENT,
+                            lambda *record: loop.call_soon_threadsafe(queue.put_nowait, record),
+                            settings.security.kafka_python())
+        reader.start()
+        try:
+            while True:
+                if not app.rebalancing:
+                    reader.wanted = frozenset(owned(contract.URGENT))
+                try:
+                    partition, offset, value = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except TimeoutError:
+                    continue
+                if app.rebalancing or app.in_recovery:
+                    continue  # the run's state may not be here yet: the agent applies it
+                try:
+                    batch = UrgentTelemetry.from_bytes(value)
+                except Exception:  # noqa: BLE001 (the agent dead-letters it, with why)
+                    continue
+                if not marks.by_reader(partition, offset):
+                    continue
+                try:
+                    out = group_urgent(batch, partition)
+                except Exception:  # noqa: BLE001 (the agent applies it again, and dead-letters it if it fails there)
+                    log.exception("urgent %s[%d]@%d failed on the lane's own reader", contract.URGENT, partition, offset)
+                    marks.release(partition, offset)
+                    continue
+                await send_urgent(*out)
+        finally:
+            await loop.run_in_executor(None, reader.stop)
 
     @app.timer(interval=0.5)
     async def write_rank_states():  # a quiet stream must not hold its acks
@@ -276,3 +325,4 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     async def forget_waiting(sender, revoked, **kwargs):
         # Memory only; the new owners find waiting groups again when they tick the runs they got.
         waiting.clear()
+        marks.forget({tp.partition for tp in revoked if tp.topic == contract.URGENT})
