@@ -130,9 +130,11 @@ def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int, bin
     # queue and grouping wait), then the alert to this reader (broker, fetch).
     made = np.array([watch.made_at[s] - t for s, t in sent_at.items() if s in watch.made_at]) * 1000
     lane = np.array([watch.lane_at[s] - t for s, t in sent_at.items() if s in watch.lane_at]) * 1000
+    hop = np.array([watch.seen_at[s] - watch.made_at[s] for s in sent_at if s in watch.seen_at]) * 1000
     return {"ranks": ranks, "trials": len(sent_at), "missed": len(sent_at) - len(lat), "p50": _pct(lat, 50),
             "p99": _pct(lat, 99), "max": _pct(lat, 100), "false": len(watch.false),
             "made_p50": _pct(made, 50), "made_p99": _pct(made, 99), "lane_p50": _pct(lane, 50), "lane_p99": _pct(lane, 99),
+            "hop_p50": _pct(hop, 50), "hop_p99": _pct(hop, 99),
             "false_kinds": sorted({f"{a.detector}:{a.metric}" for a in watch.false})}
 
 
@@ -161,12 +163,13 @@ def main() -> None:
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load {load[0]:.1f}/{load[1]:.1f}; "
           f"NaN-to-alert, 1 worker, {args.metrics} metrics per rank, 1 step/s, quiet ranks in {args.format}")
     print("| quiet ranks | values/s | NaNs | missed | p50 ms | p99 ms | max ms | readable on rankwatch.urgent p50 / p99 ms "
-          "| to the worker's alert p50 / p99 ms | alerts on quiet ranks |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| to the worker's alert p50 / p99 ms | the alert to its reader p50 / p99 ms | alerts on quiet ranks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         kinds = f" ({', '.join(r['false_kinds'])})" if r["false"] else ""
         print(f"| {r['ranks']} | {(r['ranks'] + 1) * args.metrics:,} | {r['trials']} | {r['missed']} | {r['p50']:.0f} "
-              f"| {r['p99']:.0f} | {r['max']:.0f} | {r['lane_p50']:.0f} / {r['lane_p99']:.0f} | {r['made_p50']:.0f} / {r['made_p99']:.0f} | {r['false']}{kinds} |")
+              f"| {r['p99']:.0f} | {r['max']:.0f} | {r['lane_p50']:.0f} / {r['lane_p99']:.0f} | {r['made_p50']:.0f} / {r['made_p99']:.0f} "
+              f"| {r['hop_p50']:.0f} / {r['hop_p99']:.0f} | {r['false']}{kinds} |")
     if not args.no_prometheus:
         compare_with_prometheus(rows, args.metrics, args.trials, args.gap_steps)
 
