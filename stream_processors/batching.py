@@ -11,6 +11,8 @@ cluster scale (issue 16): Faust's per-event machinery, one changelog write per m
   signals and progress in exactly the order message-by-message processing would send them;
 - a message whose processing fails is reported by its index, for the caller to dead-letter; its
   output is dropped and the rest of the batch goes on;
+- processed by ``process_in_parts``, the batch yields every few messages, so that a worker can let
+  its event loop run (the NaN lane's pages must not wait for a whole batch), with the same output;
 - a rank whose stored state this worker cannot read (another release's layout) keeps its dedup
   cursor and learns afresh, and is reported, so that an upgrade never dead-letters a rank's telemetry.
 
@@ -20,7 +22,7 @@ Pure: no Faust, no clock; ``bench/scenario_replay.py`` and the tests call it as 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +48,7 @@ class Stage1Output:
     unreadable: list[tuple[str, RankStateError]] = field(default_factory=list)  # (key, why): learning afresh
 
 
+
 def as_state(found: Any) -> RankState:
     """A table value as a ``RankState`` (the memory store keeps the object; a recovered one is a dict)."""
     return found if isinstance(found, RankState) else RankState.from_dict(found)
@@ -68,6 +71,16 @@ def process_batch(
 ) -> Stage1Output:
     """Apply ``batches`` in order; ``load(key)`` reads a rank's stored state (None if new);
     ``partitions``: the telemetry partition each came from, which stage 2's stall rule reads."""
+    *_, out = process_in_parts(processor, batches, load, now, partitions, part=max(1, len(batches)))
+    return out
+
+
+def process_in_parts(
+    processor: TelemetryProcessor, batches: Sequence[TelemetryBatch], load: Callable[[str], Any], now: float,
+    partitions: Sequence[int] | None = None, *, part: int,
+) -> Iterator[Stage1Output]:
+    """``process_batch`` that yields its output so far after every ``part`` messages, for a caller to
+    let its event loop run there; the last output yielded is the whole batch's, and the same."""
     out = Stage1Output()
     progress: dict[str, list[RankProgress]] = {}  # run -> progress not sent yet, in order
 
@@ -75,6 +88,8 @@ def process_batch(
         out.messages.extend(_progress_messages(run, progress.pop(run, [])))
 
     for index, batch in enumerate(batches):
+        if index and index % part == 0:
+            yield out
         try:
             key = batch.key.decode()
             state = out.states.get(key)
@@ -107,7 +122,7 @@ def process_batch(
         out.messages.extend(rollups)
     for run in list(progress):
         flush(run)
-    return out
+    yield out
 
 
 def _may_be_too_large(item: RankProgress) -> bool:

@@ -11,7 +11,7 @@ import faust
 from rankwatch import contract
 from rankwatch.contract import ProgressBatch, RankSignal, TelemetryBatch, UrgentTelemetry, decode_run_event
 from rankwatch.settings import Settings
-from rankwatch.stream_processors.batching import process_batch
+from rankwatch.stream_processors.batching import process_in_parts
 from rankwatch.stream_processors.clocks import LagWatch, OutageClock
 from rankwatch.stream_processors.grouping import Grouper, GroupsStateError, RunGroups
 from rankwatch.stream_processors.lane import LaneMarks, LaneReader
@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 # Stage 1 takes telemetry in batches (issue 16): per-message costs (Faust's per-event work, a state
 # write, a progress event) dominate at cluster scale. A batch is sent after TAKE_WITHIN_S, or at once
 # when TAKE_MAX messages are waiting, so it adds at most TAKE_WITHIN_S to an alert's latency. A take
-# holds the event loop while it is processed (about 1 ms a message at one step each), and the NaN
-# lane and stage 2 wait meanwhile: TAKE_MAX keeps that near a tenth of a second.
+# is processed STAGE1_PART messages at a time with the event loop let in between: whole, it held the
+# loop for 0.2-1.3 s when its windows closed or its detectors refitted, and the NaN lane's pages
+# and stage 2 waited meanwhile.
 TAKE_MAX = 100
 TAKE_WITHIN_S = 0.02
+STAGE1_PART = 5
 
 
 async def _each(items):
@@ -88,22 +90,31 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     unwritten = StateWrites(rank_state, settings.state_write_s)
     watches = StateWrites(run_watch, settings.state_write_s)  # 169 KB a run at 1,024 ranks, changed by every run event
 
-    def write_states(*, now_anyway: bool = False) -> None:
+    def write_states() -> None:
         # A rebalance or a stop waits for every ack (Faust's ``wait_empty``) before it hands
-        # partitions over or commits: then nothing waits for the interval.
+        # partitions over or commits: then nothing waits for the interval, nor for the loop.
         now = time.monotonic()
         for writes in (unwritten, watches):
-            if writes.due(now, now_anyway=now_anyway or app.rebalancing or app.should_stop):
+            if writes.due(now, now_anyway=True):
                 writes.write(now)
 
-    app.before_ack_wait.append(lambda: write_states(now_anyway=True))
+    async def write_due_states() -> None:
+        if app.rebalancing or app.should_stop:
+            return write_states()
+        now = time.monotonic()
+        for writes in (unwritten, watches):
+            if writes.due(now):
+                await writes.write_gradually(now)
+
+    app.before_ack_wait.append(write_states)
 
     @app.agent(telemetry, name="telemetry")
     async def process_telemetry(stream):
         async for events in stream.noack_take(TAKE_MAX, within=TAKE_WITHIN_S):
             good = [(e, b) async for e, b in decoded(_each(events), TelemetryBatch.from_bytes, dead_letter, "telemetry")]
-            out = process_batch(processor, [b for _, b in good], lambda key: unwritten.get(key.encode()), time.time(),
-                                [e.message.partition for e, _ in good])
+            for out in process_in_parts(processor, [b for _, b in good], lambda key: unwritten.get(key.encode()),
+                                        time.time(), [e.message.partition for e, _ in good], part=STAGE1_PART):
+                await asyncio.sleep(0)  # the NaN lane and stage 2 run between parts
             if out.unreadable:  # once per rank: its fresh state is the one read from now on
                 key, exc = out.unreadable[0]
                 log.error("%d ranks' stored state could not be read, e.g. %s: %s; they keep their place in the "
@@ -115,7 +126,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
             await send_all(out_topics, out.messages)
             unwritten.add(events, {key.encode(): state for key, state in out.states.items()})  # after the output
-            write_states()
+            await write_due_states()
             processed(events, time.time())
 
     marks = LaneMarks()  # which of the lane's two readers applies each record
@@ -192,7 +203,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
 
     @app.timer(interval=0.5)
     async def write_rank_states():  # a quiet stream must not hold its acks
-        write_states()
+        await write_due_states()
 
     async def publish(alerts_due) -> None:
         await send_all(out_topics, encoded(*alerts_due))
@@ -213,7 +224,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
         async for event in stream.noack().events():  # acked once the run's watch is written
             changed = await group_signal(event)
             watches.add([event], changed)
-            write_states()
+            await write_due_states()
             processed([event], time.time())
 
     async def group_signal(event) -> dict:

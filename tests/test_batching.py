@@ -20,7 +20,7 @@ import pytest
 
 from rankwatch.contract import RUN_EVENTS, ProgressBatch, RankProgress, Series, TelemetryBatch, decode_run_event
 from rankwatch.sim import QuietRanks
-from rankwatch.stream_processors.batching import process_batch
+from rankwatch.stream_processors.batching import process_batch, process_in_parts
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 
@@ -146,6 +146,25 @@ def test_one_progress_event_per_run_per_batch_in_order():
     assert len(events) == 1 and isinstance(events[0], ProgressBatch)
     assert [(p.rank, p.last_step) for p in events[0].items] == [(r, s) for s in range(3) for r in range(4)]
     assert set(out.states) == {f"r/{r}" for r in range(4)}
+
+
+def test_a_batch_in_parts_gives_what_it_gives_whole():
+    # The worker processes a take in parts, letting its event loop run in between (the NaN lane).
+    class Exploding(TelemetryProcessor):
+        def process(self, state, batch, now):
+            if (batch.rank, batch.seq) == (2, 1):
+                raise RuntimeError("boom")
+            return super().process(state, batch, now)
+
+    batches = [_progress(r, s) for s in range(3) for r in range(4)]
+    whole = process_batch(Exploding(), batches, lambda key: None, 5.0)
+    outputs = list(process_in_parts(Exploding(), batches, lambda key: None, 5.0, part=5))
+    assert len(outputs) == 3  # after messages 5 and 10, and at the end
+    parts = outputs[-1]
+    assert [i for i, _ in parts.failed] == [i for i, _ in whole.failed] == [6]
+    assert parts.messages == whole.messages and len(whole.messages) == 1  # one progress batch, not one a part
+    assert {k: s.seq for k, s in parts.states.items()} == {k: s.seq for k, s in whole.states.items()}
+    assert parts.applied == whole.applied == 11
 
 
 def test_a_progress_batch_over_the_size_limit_is_split():

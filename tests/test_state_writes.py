@@ -4,6 +4,7 @@ first, then the worker on the real broker; a crash and a clean stop are in test_
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -75,6 +76,45 @@ def test_a_batch_of_dead_letters_is_acknowledged_with_no_state_to_write():
     writes.add([_Event(log, "bad")], {})
     writes.write(now=1.0)
     assert log == [("ack", "bad")]
+
+
+def test_a_gradual_write_lets_the_loop_run_between_slices_and_acks_after_the_last():
+    log = _Log()
+    writes = StateWrites(_Table(log), every_s=5.0)
+    writes.add([_Event(log, "a0")], {b"r/%d" % i: f"s{i}" for i in range(5)})
+    between: list[tuple[int, str | None]] = []
+
+    async def meanwhile():  # another coroutine on the loop: a lane page, stage 2
+        for i in range(3):
+            between.append((len(log), writes.get(b"r/4")))
+            if i == 1:
+                writes.add([_Event(log, "later")], {b"r/0": "newer"})
+            await asyncio.sleep(0)
+
+    async def both():
+        await asyncio.gather(writes.write_gradually(now=1.0, slice_size=2), meanwhile())
+
+    asyncio.run(both())
+    assert [entry[0] for entry in log] == ["write"] * 5 + ["ack"]  # acked once all five are written
+    assert between[0][0] == 2 and between[1][0] == 4  # two states a slice, the loop let in between
+    assert all(state == "s4" for _, state in between), "a state being written is read back meanwhile"
+    assert writes.get(b"r/0") == "newer" and len(writes) == 1  # what came meanwhile waits for the next write
+
+
+def test_a_write_at_once_finishes_a_gradual_one_under_way():
+    # A rebalance or a stop does not wait for the loop: everything held is written and acked then.
+    log = _Log()
+    writes = StateWrites(_Table(log), every_s=5.0)
+    writes.add([_Event(log, "a0")], {b"r/%d" % i: "s" for i in range(4)})
+
+    async def interrupted():
+        task = asyncio.ensure_future(writes.write_gradually(now=1.0, slice_size=1))
+        await asyncio.sleep(0)
+        writes.write(now=1.0)
+        await task
+
+    asyncio.run(interrupted())
+    assert [entry[0] for entry in log] == ["write"] * 4 + ["ack"] and len(writes) == 0
 
 
 def test_state_expires_after_its_ttl_of_silence_only_on_the_worker_that_owns_it():
