@@ -46,7 +46,6 @@ parts, the rule group's duration and skipped evaluations, the slowest scrape, an
 
 Prints a table; asserts nothing. ``bench/scale_latency.py`` runs it after the rankwatch half.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -54,275 +53,24 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.parse
-import urllib.request
-from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 from prometheus_client import start_http_server
-from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
+from prometheus_client.core import CollectorRegistry
+from prometheus_exporters import Rank0Collector, start_exporters
+from prometheus_processes import HOST, Webhook, binaries, cpu_s, get, start_alerting, wait_targets_up
 
 from rankwatch.broker import free_port
-from rankwatch.sim import QuietRanks
 
-RANKS_PER_TARGET = 256  # a scrape of 256 ranks x 32 metrics costs a Python exporter ~0.15 CPU s (OpenMetrics, gzip)
 WARMUP_S = 5  # after every target is up: a few scrapes and evaluations before the first NaN
 SETTLE_S = 5  # after the last NaN: time for a late alert to arrive
-HOST = "127.0.0.1"
 
-
-def binaries() -> tuple[str, str] | None:
-    """(prometheus, alertmanager) from PATH, or None when either is missing."""
-    prometheus = shutil.which("prometheus")
-    alertmanager = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-    return (prometheus, alertmanager) if prometheus and alertmanager else None
-
-
-def prom_name(metric: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_:]", "_", metric)
-
-
-# --- the exporters -----------------------------------------------------------------------------
-
-class QuietCollector:
-    """Ranks ``first .. first + count - 1`` as gauges; a scrape serves the values of the current step."""
-
-    def __init__(self, first: int, count: int, metrics: int, t0: float):
-        self.sim = QuietRanks(run="prometheus", ranks=count, first_rank=first, metrics=metrics)
-        self.names = [prom_name(n) for n in self.sim.names]
-        self.ranks = range(first, first + count)
-        self.t0 = t0
-        self.cached: tuple[int, np.ndarray] | None = None
-
-    def _values(self) -> np.ndarray:
-        # (metrics, ranks) for this step, computed once per step: scrapes may come more than once a step
-        step = max(0, int(time.time() - self.t0))
-        if self.cached is None or self.cached[0] != step:
-            steps = np.array([step])
-            self.cached = step, np.stack([self.sim.values(r, step, steps)[:, 0] for r in self.ranks], axis=1)
-        return self.cached[1]
-
-    def collect(self):
-        values = self._values()
-        for i, name in enumerate(self.names):
-            family = GaugeMetricFamily(name, f"{self.sim.names[i]} of each rank", labels=["rank"])
-            for j, rank in enumerate(self.ranks):
-                family.add_metric([str(rank)], float(values[i, j]))
-            yield family
-
-
-class Rank0Collector:
-    """Rank 0's gauges as the bench sets them; the NaN ``loss`` carries its incident's number."""
-
-    def __init__(self, metrics: int):
-        self.sim = QuietRanks(run="prometheus", ranks=1, metrics=metrics)
-        self.names = [prom_name(n) for n in self.sim.names]
-        self.state: tuple[np.ndarray, str] = (self.sim.values(0, 0, np.array([0]))[:, 0], "")
-
-    def set_step(self, step: int, incident: str = "") -> None:
-        values = self.sim.values(0, step, np.array([step]))[:, 0]
-        if incident:
-            values[0] = np.nan
-        self.state = (values, incident)  # one assignment: a scrape sees a whole step, never half of one
-
-    def collect(self):
-        values, incident = self.state
-        for i, name in enumerate(self.names):
-            labels = ["rank", "incident"] if i == 0 else ["rank"]  # an empty label is no label to Prometheus
-            family = GaugeMetricFamily(name, f"{self.sim.names[i]} of each rank", labels=labels)
-            family.add_metric(["0", incident] if i == 0 else ["0"], float(values[i]))
-            yield family
-
-
-def serve_quiet(first: int, count: int, metrics: int, port: int, t0: float) -> None:
-    """An exporter process's life: serve until terminated, or until the bench that started it is gone."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(QuietCollector(first, count, metrics, t0))
-    start_http_server(port, addr=HOST, registry=registry)
-    parent = os.getppid()
-    while os.getppid() == parent:  # a bench killed with SIGKILL cannot stop us; notice it instead
-        time.sleep(1.0)
-
-
-# --- the webhook -------------------------------------------------------------------------------
-
-class Webhook:
-    """Alertmanager's receiver: when each incident's firing alert arrived, and the false ones."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.seen: dict[int, tuple[float, float]] = {}  # incident -> (received, Prometheus' startsAt)
-        self.false: dict[str, dict] = {}  # labels as JSON -> labels, of each alert on a quiet rank
-        self.server = ThreadingHTTPServer((HOST, 0), self._handler())
-        self.url = f"http://{HOST}:{self.server.server_address[1]}/"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def _handler(self):
-        webhook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's name)
-                received = time.time()
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                self.send_response(200)
-                self.end_headers()
-                webhook.note(received, body)
-
-            def log_message(self, *args):
-                pass
-
-        return Handler
-
-    def note(self, received: float, body: dict) -> None:
-        with self.lock:
-            for alert in body.get("alerts", []):
-                labels = alert["labels"]
-                if alert["status"] != "firing":
-                    continue
-                if labels.get("rank") != "0":
-                    self.false.setdefault(json.dumps(labels, sort_keys=True), labels)
-                elif labels.get("metric") == "loss" and labels.get("incident"):
-                    self.seen.setdefault(int(labels["incident"]), (received, _timestamp(alert["startsAt"])))
-
-    def __enter__(self) -> Webhook:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _timestamp(rfc3339: str) -> float:
-    # Go writes nanoseconds; fromisoformat takes at most microseconds
-    head, _, frac = rfc3339.removesuffix("Z").partition(".")
-    return datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}+00:00").timestamp()
-
-
-# --- the processes -----------------------------------------------------------------------------
-
-def _stop(proc: subprocess.Popen, log) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    log.close()
-
-
-def _start(stack: contextlib.ExitStack, argv: list[str], log_path: Path) -> subprocess.Popen:
-    """Start ``argv`` stopped by ``stack`` whatever happens; its own session, so that a Ctrl-C reaches
-    only the bench, which then stops it in order."""
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
-    stack.callback(_stop, proc, log)
-    return proc
-
-
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=2) as response:
-        return response.read()
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            _get(url)
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer: {log_path.read_text(errors='replace')[-2000:]}")
-
-
-def _wait_targets_up(prometheus_url: str, targets: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        active = json.loads(_get(f"{prometheus_url}/api/v1/targets?state=active"))["data"]["activeTargets"]
-        if sum(t["health"] == "up" for t in active) == targets:
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"not all {targets} targets up after {timeout_s:.0f} s: {active}")
-
-
-def _rules(names: list[str]) -> dict:
-    rules = [{"alert": "NonFinite", "expr": f"{n} != {n} or abs({n}) == Inf", "for": "0s",
-              "labels": {"metric": n, "severity": "critical"},
-              "annotations": {"summary": f"{n} is NaN or infinite on rank {{{{ $labels.rank }}}}"}} for n in names]
-    return {"groups": [{"name": "nonfinite", "rules": rules}]}
-
-
-def _prometheus_config(targets: list[str], alertmanager: str) -> dict:
-    # JSON is YAML: no YAML writer needed
-    return {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": ["rules.yml"],
-            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]},
-            "scrape_configs": [{"job_name": "ranks", "static_configs": [{"targets": targets}]}]}
-
-
-def _alertmanager_config(webhook_url: str) -> dict:
-    return {"route": {"receiver": "bench", "group_by": ["..."], "group_wait": "0s", "group_interval": "1s",
-                      "repeat_interval": "1h"},
-            "receivers": [{"name": "bench", "webhook_configs": [{"url": webhook_url, "send_resolved": False}]}]}
-
-
-def _start_exporters(stack, tmp: Path, ranks: int, metrics: int, t0: float) -> list[tuple[str, subprocess.Popen]]:
-    """The quiet ranks' exporter processes, (target, process) of each, once each answers."""
-    started = []
-    for first in range(1, ranks + 1, RANKS_PER_TARGET):
-        count, port = min(RANKS_PER_TARGET, ranks + 1 - first), free_port()
-        log = tmp / f"exporter-{first}.log"
-        proc = _start(stack, [sys.executable, os.path.abspath(__file__), "--serve",
-                              str(first), str(count), str(metrics), str(port), repr(t0)], log)
-        started.append((f"{HOST}:{port}", proc, log))
-    for target, proc, log in started:
-        _wait_ready(f"http://{target}/metrics", proc, log)
-    return [(target, proc) for target, proc, _ in started]
-
-
-def _start_alerting(stack, tmp: Path, binaries_: tuple[str, str], targets: list[str], webhook_url: str,
-                    names: list[str]) -> tuple[str, list[subprocess.Popen]]:
-    """Alertmanager, then Prometheus; returns Prometheus' URL and both processes once both are ready."""
-    prometheus, alertmanager = binaries_
-    am_port, prom_port = free_port(), free_port()
-    (tmp / "alertmanager.yml").write_text(json.dumps(_alertmanager_config(webhook_url)))
-    am = _start(stack, [alertmanager, f"--config.file={tmp / 'alertmanager.yml'}", f"--storage.path={tmp / 'am'}",
-                        # no cluster: one Alertmanager needs no gossip port, nor to wait at start for peers to settle
-                        f"--web.listen-address={HOST}:{am_port}", "--cluster.listen-address="],
-                tmp / "alertmanager.log")
-    _wait_ready(f"http://{HOST}:{am_port}/-/ready", am, tmp / "alertmanager.log")
-    (tmp / "rules.yml").write_text(json.dumps(_rules(names)))
-    (tmp / "prometheus.yml").write_text(json.dumps(_prometheus_config(targets, f"{HOST}:{am_port}")))
-    prom = _start(stack, [prometheus, f"--config.file={tmp / 'prometheus.yml'}",
-                          f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address={HOST}:{prom_port}"],
-                  tmp / "prometheus.log")
-    url = f"http://{HOST}:{prom_port}"
-    _wait_ready(f"{url}/-/ready", prom, tmp / "prometheus.log")
-    return url, [prom, am]
-
-
-def _cpu_s(procs: list[subprocess.Popen]) -> float:
-    """CPU seconds (user + system) the processes used so far."""
-    ticks = 0
-    for proc in procs:
-        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(") ", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-# --- the measurement ---------------------------------------------------------------------------
 
 def _sleep_until(t: float) -> None:
     time.sleep(max(0.0, t - time.time()))
@@ -347,7 +95,7 @@ def _drive(rank0: Rank0Collector, trials: int, gap: int, rng: np.random.Generato
 
 
 def _query(prometheus_url: str, promql: str) -> list[dict]:
-    return json.loads(_get(f"{prometheus_url}/api/v1/query?query={urllib.parse.quote(promql)}"))["data"]["result"]
+    return json.loads(get(f"{prometheus_url}/api/v1/query?query={urllib.parse.quote(promql)}"))["data"]["result"]
 
 
 def _scraped(prometheus_url: str) -> dict[int, float]:
@@ -371,7 +119,7 @@ def _evaluations(prometheus_url: str) -> dict:
     """How long the rule group took (Prometheus' own summary: its last 10 minutes) and how many of its
     1 s evaluations were skipped because the one before had not finished: a NaN that lasts one scrape
     is seen only by the evaluation of its second, so a skipped one misses it."""
-    own = _get(f"{prometheus_url}/metrics").decode()
+    own = get(f"{prometheus_url}/metrics").decode()
     return {"group_ms_p50": 1000 * _own(own, 'prometheus_rule_group_duration_seconds{quantile="0.5"}'),
             "group_ms_p99": 1000 * _own(own, 'prometheus_rule_group_duration_seconds{quantile="0.99"}'),
             "evaluations": int(_own(own, "prometheus_rule_group_iterations_total")),
@@ -420,20 +168,20 @@ def measure_prometheus(ranks: int, metrics: int, trials: int, gap: int, *, loss_
         server, _ = start_http_server(rank0_port, addr=HOST, registry=registry)
         stack.callback(server.server_close)
         stack.callback(server.shutdown)
-        exporters = _start_exporters(stack, tmp, ranks, metrics, time.time())
+        exporters = start_exporters(stack, tmp, ranks, metrics, time.time())
         targets = [f"{HOST}:{rank0_port}", *(target for target, _ in exporters)]
-        url, alerting = _start_alerting(stack, tmp, found, targets, webhook.url, names)
-        _wait_targets_up(url, len(targets))
+        url, alerting = start_alerting(stack, tmp, found, targets, webhook.url, names)
+        wait_targets_up(url, len(targets))
         time.sleep(WARMUP_S)
         quiet = [proc for _, proc in exporters]
-        began, cpu = time.time(), (_cpu_s(alerting), _cpu_s(quiet))
+        began, cpu = time.time(), (cpu_s(alerting), cpu_s(quiet))
         served = _drive(rank0, trials, gap, np.random.default_rng(seed))
         time.sleep(SETTLE_S)
         took = time.time() - began
         return {"ranks": ranks, "targets": len(targets), "rules": len(names),
                 **_summary(served, _scraped(url), webhook), **_evaluations(url),
                 "slowest_scrape_ms": _slowest_scrape_ms(url),
-                "alerting_cores": (_cpu_s(alerting) - cpu[0]) / took, "exporter_cores": (_cpu_s(quiet) - cpu[1]) / took}
+                "alerting_cores": (cpu_s(alerting) - cpu[0]) / took, "exporter_cores": (cpu_s(quiet) - cpu[1]) / took}
 
 
 def exit_on_sigterm() -> None:
@@ -470,12 +218,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=30)
     ap.add_argument("--gap-steps", type=int, default=8, help="steps between NaNs")
     ap.add_argument("--loss-only", action="store_true", help="one rule, on loss, instead of one per metric")
-    ap.add_argument("--serve", nargs=5, help=argparse.SUPPRESS)  # an exporter process: first count metrics port t0
     args = ap.parse_args()
-    if args.serve:
-        first, count, metrics, port, t0 = args.serve
-        serve_quiet(int(first), int(count), int(metrics), int(port), float(t0))
-        return
     if binaries() is None:
         print("Prometheus and/or Alertmanager not installed (apt-get install prometheus prometheus-alertmanager)")
         return
