@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD
-from rankwatch.stream_processors.detectors.spike import PAIR_PRIOR, RobustSpike
+from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR
+from rankwatch.stream_processors.detectors.spike import RobustSpike
 
 
 class Blowup(RobustSpike):

@@ -9,7 +9,7 @@ import numpy as np
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
 from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
-from rankwatch.stream_processors.detectors.spike import SHIFT_Z
+from rankwatch.stream_processors.detectors.runs import SHIFT_Z
 from rankwatch.stream_processors.detectors.scoring import (
     check_direction,
     directed,

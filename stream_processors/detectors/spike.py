@@ -9,6 +9,7 @@ import numpy as np
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
 from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
+from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, score_runs
 from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
@@ -26,15 +27,8 @@ from rankwatch.stream_processors.detectors.scoring import (
 
 #: Pseudo-points of the half-normal prior a fresh tail model starts from.
 PRIOR_WEIGHT = 50.0
-#: A point this many robust sigmas off, in the same direction as the ones before it, counts
-#: towards a level change (``rebase``).
-SHIFT_Z = 4.0
 #: Learned points between two looks for a period.
 PERIOD_EVERY = 64
-#: Pseudo-counts (far points that followed a far point, far points) of P(far | far): 1 in 10.
-PAIR_PRIOR = (1.0, 10.0)
-#: Far points remembered for P(far | far); beyond, both counts are halved.
-PAIR_MEMORY = 200.0
 
 
 class RobustSpike(Detector):
@@ -136,7 +130,7 @@ class RobustSpike(Detector):
         self.trending = bool(trending)  # without a period: judged against the window's line
         self.last_z = float(last_z)  # the last learned point's z (``recurrence.continuations``)
         # Far points seen, how many followed a far point, and P(far | far) for the run in progress
-        # (``_runs``).
+        # (``runs.score_runs``).
         self.pairs = [float(v) for v in pairs]
         self._smallest: tuple[float, int] | None = None  # see ``_resolution_floor_one``; not state
         counts, pending = calib if calib else (prior_counts(half_normal_sf, PRIOR_WEIGHT), [])
@@ -215,67 +209,6 @@ class RobustSpike(Detector):
 
     def learn(self, values: np.ndarray) -> None:
         self.update(values)
-
-    def _runs(self, z: np.ndarray, s: np.ndarray, far_sf: np.ndarray, carried: int, first: int) -> None:
-        """Score runs of far points by their joint rarity (in place).
-
-        The ``k``-th point in a row at least 4 sigmas off on the watched side scores at least
-        ``1 - P(far) * P(far | far) ** (k - 1)``: ``P(far)`` under the model that scored it, and
-        ``P(far | far)`` learned on this series from the far points seen and how many followed a far
-        point (``pairs``), started from 1 in 10 (far points of a series cluster: a busy host's slow
-        steps come in runs). A burst, or a new level a few sigmas out that no single point makes rare
-        enough, is reported within a few points, not only when ``rebase`` confirms it; a run that has
-        already raised an alarm raises no second one (``carried``: the run before ``z[0]``).
-        """
-        far = (directed(z, self.direction) >= SHIFT_Z) & np.isfinite(z)
-        if not far.any():
-            return
-        length, side = abs(carried), int(np.sign(carried))
-        alarmed = bool(carried and self.marks and self.last_alarm >= first - abs(carried))
-        seen_far, after_far, p_next = self.pairs
-        for i, zi in enumerate(z.tolist()):
-            if not far[i]:
-                length, side, alarmed = 0, 0, False
-                continue
-            here = 1 if zi > 0 else -1
-            follows = here == side and length > 0
-            length, side = (length + 1, side) if follows else (1, here)
-            if length == 1:
-                alarmed = False
-            if length == 1:
-                # What the series' past says, not this run (kept while the run lasts): a shift's
-                # own points would teach it that far points always follow far points.
-                p_next = (after_far + PAIR_PRIOR[0]) / (seen_far + PAIR_PRIOR[1])
-            if not alarmed and length >= 2:
-                s[i] = max(s[i], 1.0 - far_sf[i] * p_next ** (length - 1))
-            alarmed = alarmed or s[i] >= self.threshold
-            seen_far, after_far = seen_far + 1.0, after_far + float(follows)
-            if seen_far > PAIR_MEMORY:  # old runs fade
-                seen_far, after_far = seen_far / 2.0, after_far / 2.0
-        self.pairs = [seen_far, after_far, p_next]
-
-    def _shift(self, z: np.ndarray) -> int | None:
-        """Advance the count of consecutive far points on one side over the post-warm-up ``z``; the
-        index of the point that confirms a level change (``rebase`` in a row), where the count stops,
-        or None."""
-        far = np.abs(z) >= SHIFT_Z
-        far &= np.isfinite(z)
-        hits = np.flatnonzero(far)
-        if not len(hits):  # the usual case: every point resets the run
-            if len(z):
-                self.run = 0
-            return None
-        if hits[0]:
-            self.run = 0
-        for i, zi in enumerate(z[hits[0] :].tolist(), int(hits[0])):
-            if abs(zi) < SHIFT_Z or not math.isfinite(zi):
-                self.run = 0
-                continue
-            side = 1 if zi > 0 else -1
-            self.run = self.run + side if self.run * side > 0 else side
-            if self.rebase and abs(self.run) >= self.rebase:
-                return i
-        return None
 
     def _update_one(self, value: float) -> float | None:
         """``update`` of one point in plain Python, in the usual case: warm, no period or line, less
@@ -393,14 +326,17 @@ class RobustSpike(Detector):
             warm = max(first - start, 0)
             judged = continuations(z[warm:], self.last_z, SHIFT_Z)
             carried = self.run
-            shift = self._shift(z[warm:])
+            self.run, shift = advance_shift(z[warm:], self.run, self.rebase)
             upto = len(z) if shift is None else warm + shift + 1
             # The tail model scores each point, then learns it (beyond the threshold only up to
             # the threshold's quantile): a deviation that recurs becomes normal, one fault does not.
             s, far_sf = self.calib.update_probed(
                 directed(judged[: upto - warm], self.direction), self.threshold, SHIFT_Z
             )
-            self._runs(z[warm:upto], s, far_sf, carried, self.seen + warm)
+            # A run that has raised an alarm already raises no second one.
+            alarmed = bool(carried and self.marks and self.last_alarm >= self.seen + warm - abs(carried))
+            self.pairs = score_runs(z[warm:upto], s, far_sf, self.pairs, direction=self.direction,
+                                    threshold=self.threshold, carried=carried, alarmed=alarmed)
             rebased = None
             if shift is not None:
                 # A level change is confirmed: ``rebase`` points in a row, each as rare as a
