@@ -95,8 +95,9 @@ class LaneReader(threading.Thread):
                 failed = False
 
     def _read(self) -> None:
+        # Back soon after a broker outage: kafka-python's backoff grows to tens of seconds by default.
         consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False,
-                                 fetch_max_wait_ms=FETCH_WAIT_MS, **self.client)
+                                 fetch_max_wait_ms=FETCH_WAIT_MS, reconnect_backoff_max_ms=1000, **self.client)
         try:
             have: frozenset[int] = frozenset()
             while not self._stopping.is_set():
