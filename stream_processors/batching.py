@@ -48,7 +48,6 @@ class Stage1Output:
     unreadable: list[tuple[str, RankStateError]] = field(default_factory=list)  # (key, why): learning afresh
 
 
-
 def as_state(found: Any) -> RankState:
     """A table value as a ``RankState`` (the memory store keeps the object; a recovered one is a dict)."""
     return found if isinstance(found, RankState) else RankState.from_dict(found)
