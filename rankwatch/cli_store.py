@@ -41,7 +41,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from rankwatch.cli import _like_ctrl_c, _until_ctrl_c
+    from rankwatch.cli_topics import like_ctrl_c, until_ctrl_c
     from rankwatch.sinks.store import ReportStore, store_url
     from rankwatch.sinks.store_sink import StoreSink
     from rankwatch.stack import PARENT_ENV
@@ -54,9 +54,9 @@ def cmd_store(args: argparse.Namespace) -> int:
     sink = StoreSink(store, settings.bootstrap, from_beginning=args.from_beginning)
     sink.security = settings.security  # SASL/TLS of its consumer
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _like_ctrl_c)  # a Stack stops us with SIGTERM: finish the batch first
+        signal.signal(signal.SIGTERM, like_ctrl_c)  # a Stack stops us with SIGTERM: finish the batch first
     try:
-        with _until_ctrl_c() as pressed:
+        with until_ctrl_c() as pressed:
             # Stopped (Ctrl-C, or a Stack's SIGTERM after its workers): store what they sent last, 10 s at most.
             sink.run(follow=not args.once, stop=lambda: pressed() or orphaned(), drain_s=10.0)
     finally:
