@@ -12,10 +12,12 @@ import threading
 import time
 
 from rankwatch import contract
+from rankwatch.cli_common import like_ctrl_c, until_ctrl_c
+from rankwatch.cli_common import settings_of as _settings
 from rankwatch.cli_replay import add_commands as add_replay_commands
 from rankwatch.cli_store import add_commands as add_store_commands
 from rankwatch.cli_topics import add_commands as add_topic_commands
-from rankwatch.cli_topics import emit_alert, like_ctrl_c, until_ctrl_c
+from rankwatch.cli_topics import emit_alert
 from rankwatch.errors import RankwatchError
 from rankwatch.score_series import add_arguments as score_series_arguments
 from rankwatch.score_series import cmd_score_series
@@ -42,10 +44,6 @@ examples:
 
 A rankwatch process that seems stuck prints every thread's stack on `kill -USR1 PID`.
 """
-
-
-def _settings(args: argparse.Namespace) -> Settings:
-    return Settings.from_env(bootstrap=getattr(args, "bootstrap", None))
 
 
 def _wants_embedded(args: argparse.Namespace, env_bootstrap: str | None) -> bool:

@@ -41,7 +41,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from rankwatch.cli_topics import like_ctrl_c, until_ctrl_c
+    from rankwatch.cli_common import like_ctrl_c, until_ctrl_c
     from rankwatch.sinks.store import ReportStore, store_url
     from rankwatch.sinks.store_sink import StoreSink
     from rankwatch.stack import PARENT_ENV

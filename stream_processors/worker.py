@@ -147,8 +147,9 @@ def run_worker(settings: Settings, *, loglevel: str = "warning") -> None:
     # Blocked before any thread starts, so every thread inherits it and only ``_stop_on_signal`` hears them.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     gc.set_threshold(*GC_THRESHOLDS)
-    # kafka-python serves only the NaN lane's own reader here, which Faust's agent backs up: its
-    # reconnect lines, several a second while the broker is away, would drown the broker watch's one.
+    # kafka-python serves the NaN lane's own reader (which Faust's agent backs up) and the admin calls
+    # at start (whose failures raise): its reconnect lines, several a second while the broker is
+    # away, would drown the broker watch's one.
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     app = build_app(settings)
     worker = _Worker(app, loglevel=loglevel, quiet=True)
