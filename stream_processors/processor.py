@@ -21,7 +21,7 @@ from rankwatch.stream_processors import stored
 from rankwatch.stream_processors.detectors import Detector, NonFinite
 from rankwatch.stream_processors.policies import AlertPolicy, Condition
 from rankwatch.stream_processors.rules import Rule, Rules, default_rules, detector_classes
-from rankwatch.stream_processors.windows import Window, roll
+from rankwatch.stream_processors.windows import Window, roll, roll_one
 
 
 #: Layout of ``RankState.to_dict``. Raise it when a stored field changes meaning or goes away; a
@@ -130,18 +130,20 @@ class TelemetryProcessor:
             rules, compared = self._plan(metric)
             if compared:
                 cross[metric] = series
-            if len(series.steps):
-                top = int(series.steps[0]) if len(series.steps) == 1 else int(series.steps.max())
+            steps, values = series.steps, series.values
+            # One step per message is the usual case: its step and value as plain numbers, once.
+            one = (int(steps[0]), float(values[0])) if len(steps) == 1 else None
+            if one is not None or len(steps):
+                top = one[0] if one is not None else int(steps.max())
                 last_step = top if last_step is None else max(last_step, top)
             ms = state.metrics.get(metric)
             if ms is None:
                 ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()})
             elif ms.detectors.keys() != rules.keys():
                 _follow_rules(ms, rules)  # the rules changed since this state was built
-            values = series.values
             # One check per series instead of one per stateless detector: nearly every series is all
             # finite, and at one step per message numpy's fixed cost per call is most of the work.
-            finite = _all_finite(values)
+            finite = math.isfinite(one[1]) if one is not None else _all_finite(values)
             for name, detector in ms.detectors.items():
                 rule = rules[name]
                 # A condition is made when it first sees an anomaly: a quiet one is the default.
@@ -163,10 +165,13 @@ class TelemetryProcessor:
                 alerts += policy.apply(
                     condition,
                     run=batch.run, rank=batch.rank, metric=metric, detector=name,
-                    severity=rule.severity or detector.severity, steps=series.steps, values=values,
+                    severity=rule.severity or detector.severity, steps=steps, values=values,
                     scores=scores, anomalous=anomalous, now=now,
                 )
-            ms.window, closed = roll(ms.window, series.steps, values, self.rollup_steps)
+            if one is not None:
+                ms.window, closed = roll_one(ms.window, *one, self.rollup_steps)
+            else:
+                ms.window, closed = roll(ms.window, steps, values, self.rollup_steps)
             if closed:
                 rollups += [
                     w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
@@ -196,6 +201,4 @@ def _follow_rules(ms: MetricState, rules: dict[str, Rule]) -> None:
 
 def _all_finite(values: np.ndarray) -> bool:
     """Whether every value is finite (a finite sum says so; one that overflows takes the long way)."""
-    if len(values) == 1:
-        return math.isfinite(values[0])
     return math.isfinite(float(np.add.reduce(values))) or bool(np.isfinite(values).all())

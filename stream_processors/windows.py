@@ -145,18 +145,8 @@ def roll(window: Window | None, steps: np.ndarray, values: np.ndarray, width: in
     closed: list[Window] = []
     if not len(steps):
         return window, closed
-    if len(steps) == 1:  # one step per message, the usual case: plain ints, no numpy per call
-        step = int(steps[0])
-        k = step // width
-        if window is not None and k != window.index:
-            if k < window.index:
-                return window, closed  # a late point of a window already closed: its rollup is out
-            closed.append(window)
-            window = None
-        if window is None:
-            window = Window(index=k)
-        window.add_one(step, float(values[0]))
-        return window, closed
+    if len(steps) == 1:
+        return roll_one(window, int(steps[0]), float(values[0]), width)
     index = steps // width
     if index[0] == index[-1]:
         bounds = [(0, len(steps))]  # the usual case, without numpy's per-call overhead on tiny arrays
@@ -174,4 +164,20 @@ def roll(window: Window | None, steps: np.ndarray, values: np.ndarray, width: in
         if window is None:
             window = Window(index=k)
         window.add(values[lo:hi], steps[lo:hi])
+    return window, closed
+
+
+def roll_one(window: Window | None, step: int, x: float, width: int) -> tuple[Window | None, list[Window]]:
+    """``roll`` of one point as plain numbers: one step per message is the usual case, and numpy's
+    fixed cost per call would be most of its work."""
+    k = step // width
+    if window is not None and k != window.index:
+        if k < window.index:
+            return window, []  # a late point of a window already closed: its rollup is out
+        window, closed = Window(index=k), [window]
+    else:
+        closed = []
+        if window is None:
+            window = Window(index=k)
+    window.add_one(step, x)
     return window, closed

@@ -80,6 +80,15 @@ class Blowup(RobustSpike):
     def _floor(self, median: np.ndarray) -> np.ndarray:
         return np.full(len(median), self._min_log_scale)
 
+    def _transform_one(self, value: float) -> float:
+        return float(np.log(max(value, self.floor)))  # numpy's log, as ``_transform`` takes it
+
+    def _floor_one(self, median: float) -> float:
+        return self._min_log_scale
+
+    def _adjust_one(self, z: float, point: float, center: float) -> float:
+        return min(z, 3.5) if point - center < math.log(self.min_factor) else z
+
     def _resolution_floor(self, series: np.ndarray, first: int) -> float:
         return 0.0  # the log-scale floor above is far coarser than any reading's resolution
 
