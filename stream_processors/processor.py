@@ -139,8 +139,9 @@ class TelemetryProcessor:
             ms = state.metrics.get(metric)
             if ms is None:
                 ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()})
-            elif ms.detectors.keys() != rules.keys():
-                _follow_rules(ms, rules)  # the rules changed since this state was built
+            elif ms.detectors.keys() != rules.keys():  # the rules changed since this state was built
+                for name, detector, condition in _follow_rules(ms, rules):
+                    alerts.append(_retired(batch, metric, name, detector, condition, series, now))
             # One check per series instead of one per stateless detector: nearly every series is all
             # finite, and at one step per message numpy's fixed cost per call is most of the work.
             finite = math.isfinite(one[1]) if one is not None else _all_finite(values)
@@ -189,14 +190,30 @@ class TelemetryProcessor:
         return Output(alerts, rollups, last_step, cross)
 
 
-def _follow_rules(ms: MetricState, rules: dict[str, Rule]) -> None:
-    """A detector whose rule is gone retires with its condition; a new rule's detector starts learning."""
+def _follow_rules(ms: MetricState, rules: dict[str, Rule]) -> list[tuple[str, Detector, Condition]]:
+    """A detector whose rule is gone retires with its condition; a new rule's detector starts learning.
+    Returns the retired detectors whose condition was firing: nothing else would ever resolve it."""
+    firing = []
     for name in [n for n in ms.detectors if n not in rules]:
-        del ms.detectors[name]
-        ms.conditions.pop(name, None)
+        detector, condition = ms.detectors.pop(name), ms.conditions.pop(name, None)
+        if condition is not None and condition.firing:
+            firing.append((name, detector, condition))
     for name, rule in rules.items():
         if name not in ms.detectors:
             ms.detectors[name] = rule.build()
+    return firing
+
+
+def _retired(batch: TelemetryBatch, metric: str, name: str, detector: Detector, condition: Condition,
+             series: Series, now: float) -> Alert:
+    """The resolve of a firing condition whose rule was removed, at the first step after the change."""
+    step, value = (int(series.steps[0]), float(series.values[0])) if len(series.steps) else (condition.incident, math.nan)
+    return Alert(
+        key=Alert.make_key(batch.run, name, metric, batch.rank), run=batch.run, status="resolved",
+        severity=detector.severity, detector=name, metric=metric, rank=batch.rank, step=step, value=value,
+        message=f"{metric} on rank {batch.rank}: its {name} rule was removed; resolved at step {step}", ts=now,
+        score=0.0, incident=condition.incident, ranks=(batch.rank,),
+    )
 
 
 def _all_finite(values: np.ndarray) -> bool:

@@ -263,4 +263,6 @@ def test_a_rule_added_or_removed_since_the_state_was_built_is_followed():
         state, _batch(1, [2, 3, 4], {"loss": [1.0, 1.0, 500.0]}), 0.0)
     assert set(state.metrics["loss"].detectors) == {"explode"}
     assert "nonfinite" not in state.metrics["loss"].conditions
-    assert [(a.detector, a.step) for a in out.alerts] == [("explode", 4)]
+    # The removed rule's firing condition resolves (nothing else would), under its own key and incident.
+    assert [(a.detector, a.status, a.step) for a in out.alerts] == [("nonfinite", "resolved", 2), ("explode", "firing", 4)]
+    assert out.alerts[0].key == Alert.make_key("run-1", "nonfinite", "loss", 1) and out.alerts[0].incident == 1
