@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -13,6 +14,9 @@ from rankwatch.contract import Series, TelemetryBatch, UrgentTelemetry
 MAX_VALUES = 16_384  # per message: ~400 KB of JSON, well under Kafka's default 1 MB message limit
 
 Triple = tuple[int, str, float]  # (step, metric, value)
+# Finite points after a NaN that the lane still sends ahead of the next one: more than any rule's
+# ``resolve_after`` (5 by default) needs to tell that the condition resolved in between.
+LANE_CALM = 32
 
 
 class Outbox:
@@ -61,3 +65,42 @@ class Outbox:
             seq=self._seq, ts=time.time(), final=final,
             series={n: Series(np.asarray(steps[n], dtype=np.int64), np.asarray(values[n])) for n in steps},
         )
+
+
+class LaneTurns:
+    """Which points go ahead of the telemetry to the NaN lane (``Outbox.urgent``): each non-finite
+    point of a metric that follows finite ones (or none), after the finite points since the metric's
+    previous non-finite one, if that was less than ``LANE_CALM`` points ago. The worker tells from
+    those whether stage 1 resolved in between.
+
+    >>> lane = LaneTurns()
+    >>> [v for _, _, v in lane.turned([(0, "loss", 1.0), (1, "loss", math.nan), (2, "loss", math.nan)])]
+    [nan]
+    >>> [v for _, _, v in lane.turned([(3, "loss", 2.0), (4, "loss", math.inf)])], bool(lane)
+    ([2.0, inf], True)
+    """
+
+    def __init__(self) -> None:
+        self._since: dict[str, list[Triple]] = {}  # metric -> its finite points since its last non-finite one
+
+    def __bool__(self) -> bool:
+        """Whether some metric's recent non-finite point is still followed (finite points then matter)."""
+        return bool(self._since)
+
+    def turned(self, triples: Iterable[Triple]) -> list[Triple]:
+        turned = []
+        for triple in triples:
+            name = triple[1]
+            calm = self._since.get(name)
+            if math.isfinite(triple[2]):
+                if calm is not None:
+                    calm.append(triple)
+                    if len(calm) >= LANE_CALM:
+                        del self._since[name]
+                continue
+            if calm is None:
+                turned.append(triple)
+            elif calm:
+                turned += [*calm, triple]
+            self._since[name] = []
+        return turned

@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from rankwatch.producers.identity import rank_identity
-from rankwatch.producers.outbox import MAX_VALUES, Outbox, Triple
+from rankwatch.producers.outbox import MAX_VALUES, LaneTurns, Outbox, Triple
 from rankwatch.producers.shipper import ShipperProcess
 from rankwatch.producers.spool import SpoolWriter, default_root
-from rankwatch.producers.system import ProcessSampler, Sampler
+from rankwatch.producers.system import ProcessSampler, Sampler, Samplers
 from rankwatch.producers.values import Chunk
 from rankwatch.contract import HEARTBEAT, MessageTooLarge, TelemetryBatch, check_size
 from rankwatch.settings import DEFAULT_BOOTSTRAP, TELEMETRY_FORMATS, Settings
@@ -56,9 +56,6 @@ log = logging.getLogger(__name__)
 _STOP = object()
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 _STOP_GRACE_S = 2.0  # how long close() waits for device values still on their way to the host
-# Finite points after a NaN that the lane still sends ahead of the next one: more than any rule's
-# ``resolve_after`` (5 by default) needs to tell that the condition resolved in between.
-_LANE_CALM = 32
 _POLL_S = 0.1  # how often the sender reads what was logged: a NaN waits no longer than this to be sent
 
 
@@ -141,14 +138,13 @@ class RankPublisher:
                                        producer_config={"client_id": f"rankwatch-{run}-{self.rank}",
                                                         **(producer_config or {})},
                                        drain_s=drain_s)
-        self._samplers: list[Sampler] = [ProcessSampler()] if samplers is None else list(samplers)
+        self._samplers = Samplers([ProcessSampler()] if samplers is None else samplers)
         self._queue: deque = deque()
         self._wake = threading.Event()
         self._outbox = Outbox(run=run, rank=self.rank, world_size=self.world_size, producer=self.producer_id)
         self._logged = self._dropped = self._failed = self._invalid = self._heartbeats = 0
         self._warned: set[str] = set()
-        # metric -> its finite points since its last NaN or infinity, until there are _LANE_CALM of them
-        self._since_nonfinite: dict[str, list[Triple]] = {}
+        self._lane = LaneTurns()
         self._started = time.monotonic()
         # The sender notes when it last saw log() activity (to within 0.1 s), which keeps the
         # clock read off the training thread.
@@ -232,7 +228,7 @@ class RankPublisher:
 
     def add_sampler(self, sampler: Sampler) -> None:
         """Read ``sampler()`` (``{metric: float}``) with every heartbeat, on the sender thread."""
-        self._samplers = [*self._samplers, sampler]
+        self._samplers.add(sampler)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything logged so far is acknowledged (or failed); True if it finished in time."""
@@ -362,8 +358,8 @@ class RankPublisher:
                     self._send_outbox()
                 self._outbox.add(triples)
             urgent = any(not math.isfinite(value) for _, _, value in triples)
-            if urgent or self._since_nonfinite:
-                turned = self._turned_nonfinite(triples)
+            if urgent or self._lane:
+                turned = self._lane.turned(triples)
                 if turned:  # ahead of the telemetry that carries them too
                     self._try_send(self._outbox.urgent(turned))
             if chunk.final:
@@ -381,27 +377,6 @@ class RankPublisher:
             for marker in chunk.markers:
                 marker.set()
 
-    def _turned_nonfinite(self, triples: list[Triple]) -> list[Triple]:
-        """For the NaN lane: each non-finite point of a metric that follows finite ones (or none),
-        after the finite points since the metric's previous non-finite one, if that was less than
-        ``_LANE_CALM`` points ago: the worker tells from them whether stage 1 resolved in between."""
-        turned = []
-        for triple in triples:
-            name = triple[1]
-            calm = self._since_nonfinite.get(name)
-            if math.isfinite(triple[2]):
-                if calm is not None:
-                    calm.append(triple)
-                    if len(calm) >= _LANE_CALM:
-                        del self._since_nonfinite[name]
-                continue
-            if calm is None:
-                turned.append(triple)
-            elif calm:
-                turned += [*calm, triple]
-            self._since_nonfinite[name] = []
-        return turned
-
     def _send_outbox(self) -> None:
         self._try_send(self._outbox.take())
 
@@ -414,14 +389,7 @@ class RankPublisher:
 
     def _readings(self) -> list[Triple]:
         """The samplers' readings, at the last logged step."""
-        triples = []
-        for sampler in self._samplers:
-            try:
-                triples += [(self._last_step, name, float(value)) for name, value in sampler().items()]
-            except Exception:  # a broken sampler is dropped, not retried every beat
-                log.exception("rankwatch: sampler %r failed; it is switched off", sampler)
-                self._samplers = [s for s in self._samplers if s is not sampler]
-        return triples
+        return [(self._last_step, name, value) for name, value in self._samplers.read()]
 
     def _try_send(self, event: Any) -> None:
         try:

@@ -8,11 +8,14 @@ caching allocator's counters (host memory reads, no device sync).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 Sampler = Callable[[], Mapping[str, float]]
+
+log = logging.getLogger(__name__)
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -73,3 +76,29 @@ class CudaMemorySampler:
             "gpu_mem_reserved_bytes": float(cuda.memory_reserved(device)),
             "gpu_mem_peak_bytes": float(cuda.max_memory_allocated(device)),
         }
+
+
+class Samplers:
+    """The samplers a publisher reads with each heartbeat. One that fails is switched off, not
+    retried every beat, and never stops the others.
+
+    >>> samplers = Samplers([lambda: {"x": 1}, lambda: 1 / 0])
+    >>> samplers.read(), len(samplers.read())  # the second failed once (logged) and is gone
+    ([('x', 1.0)], 1)
+    """
+
+    def __init__(self, samplers: Iterable[Sampler]) -> None:
+        self._all = list(samplers)
+
+    def add(self, sampler: Sampler) -> None:
+        self._all = [*self._all, sampler]  # a new list: the sender thread may be reading the old one
+
+    def read(self) -> list[tuple[str, float]]:
+        readings = []
+        for sampler in self._all:
+            try:
+                readings += [(name, float(value)) for name, value in sampler().items()]
+            except Exception:
+                log.exception("rankwatch: sampler %r failed; it is switched off", sampler)
+                self._all = [s for s in self._all if s is not sampler]
+        return readings
