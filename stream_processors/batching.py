@@ -29,7 +29,7 @@ from typing import Any
 from rankwatch.contract import (
     MAX_MESSAGE_BYTES, RUN_EVENTS, SCHEMA_VERSION, ProgressBatch, RankProgress, RankSignal, TelemetryBatch,
 )
-from rankwatch.stream_processors.processor import RankState, RankStateError, TelemetryProcessor
+from rankwatch.stream_processors.processor import RankState, RankStateError, TelemetryProcessor, fit_due_models
 from rankwatch.stream_processors.topics import encoded
 
 Message = tuple[str, bytes, bytes]  # (topic, key, value), as ``topics.encoded`` makes them
@@ -121,6 +121,7 @@ def process_in_parts(
         out.messages.extend(rollups)
     for run in list(progress):
         flush(run)
+    fit_due_models(out.states.values())  # once per batch: it costs about as much for 50 models as for 2
     yield out
 
 

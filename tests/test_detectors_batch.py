@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from rankwatch.stream_processors.detectors import Blowup, RobustSpike
-from rankwatch.stream_processors.detectors.calibration import REFIT, TailModel, half_normal_sf, prior_counts
+from rankwatch.stream_processors.detectors.calibration import REFIT, TailModel, fit_due, half_normal_sf, prior_counts
 
 DATA = Path(__file__).resolve().parents[1] / "bench" / "data"
 BATCHES = (3, 64, 1000)
@@ -155,3 +155,25 @@ def test_tail_model_scores_alike_one_value_or_many():
     rows = np.zeros(len(s), dtype=np.int64)
     np.testing.assert_allclose(survival_rows(s, *(p[rows] for p in fitted)), [model.survival(v) for v in s.tolist()],
                                rtol=1e-12, atol=1e-15)
+
+
+def test_tail_models_fitted_together_score_and_store_as_fitted_alone():
+    """``fit_due`` only moves the fits: models learning one point at a time, fitted together after
+    each round, score, fit and store exactly what the same models fitted on their own do."""
+    rng = np.random.default_rng(4)
+    memories = (20, 50, 200, 1000, 1000)
+    alone = [TailModel(prior_counts(half_normal_sf, 50.0), memory=m) for m in memories]
+    together = [TailModel(prior_counts(half_normal_sf, 50.0), memory=m) for m in memories]
+    threshold = 0.999
+    for step in range(5 * REFIT):  # the last step makes every fit due
+        s = np.abs(rng.standard_t(3, len(memories))) * (1 + 3 * (step % 11 == 0))
+        got = [model.update(v, threshold) for model, v in zip(together, s.tolist())]
+        assert got == [model.update(v, threshold) for model, v in zip(alone, s.tolist())]
+        if step % 3:  # on the other steps the due models fit themselves when next read
+            fit_due(together[1:])
+    assert any(model.due for model in together), "some fits were still due at the end: both paths covered"
+    fit_due(together)
+    for a, b in zip(alone, together):
+        a.survival(1.0)  # fits a model still due
+        assert a.state() == b.state()
+        assert all(np.array_equal(x, y) for x, y in zip(a._fit_row, b._fit_row))

@@ -52,6 +52,10 @@ class Detector(ABC):
     def decide(self, scores: np.ndarray) -> np.ndarray:
         return np.asarray(scores) >= self.threshold
 
+    def tail_models(self) -> tuple:
+        """The calibration models (``calibration.TailModel``) this detector scores with, for ``calibration.fit_due``."""
+        return ()
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Constructor parameters and learned state, JSON-able."""

@@ -22,7 +22,7 @@ state is the histogram plus at most ``REFIT`` numbers, and scoring a point is O(
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from scipy.special import ndtr
@@ -145,6 +145,7 @@ class TailModel:
         self.pending = [float(p) for p in pending][:REFIT]
         self.memory = memory
         self._keep = 1.0 - 1.0 / memory
+        self.due = False  # the counts changed since the last fit: fit before the next read (``fit_due``)
         self._set(fit_rows(self.counts), 0)
 
     def state(self) -> list:
@@ -152,6 +153,7 @@ class TailModel:
 
     def _set(self, fit: tuple[np.ndarray, ...], row: int) -> None:
         sf, u, sf_u, xi, sigma = fit
+        self.due = False
         self._fit_row = tuple(a[row : row + 1] for a in fit)  # for survival_rows
         self._sf = sf[row].tolist()
         self._u, self._sf_u, self._xi, self._sigma = float(u[row]), float(sf_u[row]), float(xi[row]), float(sigma[row])
@@ -160,8 +162,13 @@ class TailModel:
         """The counts after a refit on ``learned``: old mass forgotten per point, one count per point."""
         return counts * self._keep ** len(learned) + np.bincount(bin_of(learned), minlength=BINS)
 
+    def _fitted(self) -> None:
+        if self.due:
+            self._set(fit_rows(self.counts), 0)
+
     def survival(self, s: float) -> float:
         """P(S >= s) under the model."""
+        self._fitted()
         if not s > 0.0:
             return 1.0
         if s >= self._u:
@@ -180,6 +187,7 @@ class TailModel:
     def score_many(self, s: np.ndarray) -> np.ndarray:
         """``score`` of each value, as ``update_many`` scores them (numpy's float functions, not math's)."""
         s = np.asarray(s, dtype=np.float64)
+        self._fitted()
         return 1.0 - survival_rows(s, *(p[np.zeros(len(s), dtype=np.int64)] for p in self._fit_row))
 
     def learn(self, s: float) -> None:
@@ -190,10 +198,11 @@ class TailModel:
             return
         self.counts = self._decayed(self.counts, np.asarray(self.pending))
         self.pending = []
-        self._set(fit_rows(self.counts), 0)
+        self.due = True  # fitted when the model is next read, or with other models by ``fit_due``
 
     def quantile(self, p: float) -> float:
         """The statistic whose survival is ``p``: the smallest value that scores ``1 - p``."""
+        self._fitted()
         if p <= self._sf_u:
             ratio = self._sf_u / max(p, 1e-300)
             if self._xi > 0:
@@ -224,6 +233,7 @@ class TailModel:
         probed = np.empty(len(s))
         done = 0
         while done < len(s):
+            self._fitted()  # a clipped block below learns point by point
             rest = s[done:]
             learned = np.clip(np.where(np.isfinite(rest), rest, S_MAX), 0.0, S_MAX)
             # Refits happen after the values before each of ``ends`` are learned.
@@ -284,3 +294,15 @@ class TailModel:
         score = self.score(s)
         self.learn(min(s, self.quantile(1.0 - threshold)) if score >= threshold else s)
         return score
+
+
+def fit_due(models: Iterable[TailModel]) -> None:
+    """Fit every model whose fit is due as one 2-D fit. A model learning one point at a time refits
+    every ``REFIT`` points, and at one point per message those single-row fits were a sixth of a
+    worker's stage 1; 50 rows cost what two do. ``fit_rows`` fits rows independently, so this gives
+    what each model's own fit would: it only moves the work, and a model it misses fits itself."""
+    due = [m for m in models if m.due]
+    if due:
+        fit = fit_rows(np.stack([m.counts for m in due]))
+        for row, model in enumerate(due):
+            model._set(fit, row)

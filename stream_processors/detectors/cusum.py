@@ -165,6 +165,9 @@ class _Accumulating(Detector):
         values = np.asarray(values, dtype=np.float64)
         return np.array([self._learn_one(x) if math.isfinite(x) else 0.0 for x in values.tolist()])
 
+    def tail_models(self) -> tuple[TailModel, ...]:
+        return (self.calib,)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "window": self.window,

@@ -100,6 +100,9 @@ class Ensemble(Detector):
     def update(self, values: np.ndarray) -> np.ndarray:
         return self._combine([m.update(values) for m in self.members])
 
+    def tail_models(self) -> tuple:
+        return tuple(model for m in self.members for model in m.tail_models())
+
     def __repr__(self) -> str:
         return f"Ensemble(members={[m.name for m in self.members]!r}, threshold={self.threshold!r})"
 

@@ -386,6 +386,9 @@ class RobustSpike(Detector):
             self._look_for_period()
         return scores
 
+    def tail_models(self) -> tuple[TailModel, ...]:
+        return (self.calib,)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "window": self.window,
