@@ -11,6 +11,7 @@ during a rolling upgrade or after a rollback, read each other's state or reject 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,7 @@ from rankwatch.contract import COLLECTIVE_WAIT, Alert, Rollup, Series, Telemetry
 from rankwatch.errors import RankwatchError
 from rankwatch.stream_processors import stored
 from rankwatch.stream_processors.detectors import Detector, NonFinite
+from rankwatch.stream_processors.detectors.calibration import fit_due
 from rankwatch.stream_processors.policies import AlertPolicy, Condition
 from rankwatch.stream_processors.rules import Rule, Rules, default_rules, detector_classes
 from rankwatch.stream_processors.windows import Window, roll, roll_one
@@ -39,6 +41,9 @@ class MetricState:
     detectors: dict[str, Detector]
     conditions: dict[str, Condition] = field(default_factory=dict)
     window: Window | None = None
+    # The rules ``detectors`` were last checked against (not stored): the same object as the
+    # processor's plan for the metric needs no check of the detectors' names.
+    rules: dict[str, Rule] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         return {
@@ -100,14 +105,16 @@ class Output:
 class TelemetryProcessor:
     rollup_steps: int = 50
     rules: Rules = field(default_factory=default_rules)
-    # metric -> (its per-rank rules by detector, whether stage 2 compares it across ranks)
-    _plans: dict[str, tuple[dict[str, Rule], bool]] = field(default_factory=dict, repr=False, compare=False)
+    # metric -> (its per-rank rules by detector, whether stage 2 compares it across ranks, whether
+    # ``nonfinite`` is its only rule: most metrics a trainer logs are such plain gauges)
+    _plans: dict[str, tuple[dict[str, Rule], bool, bool]] = field(default_factory=dict, repr=False, compare=False)
 
-    def _plan(self, metric: str) -> tuple[dict[str, Rule], bool]:
+    def _plan(self, metric: str) -> tuple[dict[str, Rule], bool, bool]:
         found = self._plans.get(metric)
         if found is None:
             cross = metric == COLLECTIVE_WAIT or self.rules.cross_rank_rule(metric) is not None
-            found = self._plans[metric] = (self.rules.for_metric(metric), cross)
+            rules = self.rules.for_metric(metric)
+            found = self._plans[metric] = (rules, cross, rules.keys() == {NonFinite.name})
         return found
 
     def is_replay(self, state: RankState, batch: TelemetryBatch) -> bool:
@@ -127,7 +134,7 @@ class TelemetryProcessor:
         cross: dict[str, Series] = {}
         last_step: int | None = None
         for metric, series in batch.series.items():
-            rules, compared = self._plan(metric)
+            rules, compared, gauge = self._plan(metric)
             if compared:
                 cross[metric] = series
             steps, values = series.steps, series.values
@@ -138,14 +145,17 @@ class TelemetryProcessor:
                 last_step = top if last_step is None else max(last_step, top)
             ms = state.metrics.get(metric)
             if ms is None:
-                ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()})
-            elif ms.detectors.keys() != rules.keys():  # the rules changed since this state was built
-                for name, detector, condition in _follow_rules(ms, rules):
-                    alerts.append(_retired(batch, metric, name, detector, condition, series, now))
+                ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()}, rules=rules)
+            elif ms.rules is not rules:
+                if ms.detectors.keys() != rules.keys():  # the rules changed since this state was built
+                    for name, detector, condition in _follow_rules(ms, rules):
+                        alerts.append(_retired(batch, metric, name, detector, condition, series, now))
+                ms.rules = rules
             # One check per series instead of one per stateless detector: nearly every series is all
             # finite, and at one step per message numpy's fixed cost per call is most of the work.
             finite = math.isfinite(one[1]) if one is not None else _all_finite(values)
-            for name, detector in ms.detectors.items():
+            # A finite point of a gauge with no condition changes nothing but its window.
+            for name, detector in () if finite and gauge and not ms.conditions else ms.detectors.items():
                 rule = rules[name]
                 # A condition is made when it first sees an anomaly: a quiet one is the default.
                 condition = ms.conditions.get(name)
@@ -188,6 +198,13 @@ class TelemetryProcessor:
                 for metric, ms in state.metrics.items() if ms.window is not None
             ]
         return Output(alerts, rollups, last_step, cross)
+
+
+def fit_due_models(states: Iterable[RankState]) -> None:
+    """The refits that came due while ``states`` learned, as one fit (``calibration.fit_due``): call it
+    after a batch of messages, so that each detector's next point finds its model fitted."""
+    fit_due(m for state in states for ms in state.metrics.values() for d in ms.detectors.values()
+            for m in d.tail_models())
 
 
 def _follow_rules(ms: MetricState, rules: dict[str, Rule]) -> list[tuple[str, Detector, Condition]]:

@@ -18,7 +18,7 @@ from rankwatch.sketch import MAX_CENTROIDS, Sketch
 _FLOATS = ("mean", "m2", "min", "max", "last")  # the fields that may be infinite or NaN
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a window gets a point per metric per message, and their attributes are most of that
 class Window:
     index: int
     count: int = 0
@@ -78,8 +78,10 @@ class Window:
         """``add`` of one point, without arrays: Welford's update. One point per message is common (one
         step per batch), and numpy's fixed cost per call would dominate it."""
         if step is not None:
-            self.first_step = step if self.first_step is None else min(self.first_step, step)
-            self.last_step = step if self.last_step is None else max(self.last_step, step)
+            if self.first_step is None or step < self.first_step:
+                self.first_step = step
+            if self.last_step is None or step > self.last_step:
+                self.last_step = step
         self.last = x
         if not math.isfinite(x):
             self.nonfinite += 1
@@ -94,7 +96,10 @@ class Window:
         delta = x - self.mean
         self.mean += delta / self.count
         self.m2 += delta * (x - self.mean)
-        self.min, self.max = min(self.min, x), max(self.max, x)
+        if x < self.min:
+            self.min = x
+        if x > self.max:
+            self.max = x
 
     def quantile_sketch(self) -> Sketch:
         """The window's finite values as a sketch; from here on they are kept in it."""
