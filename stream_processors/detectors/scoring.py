@@ -150,6 +150,48 @@ def resolution(series: np.ndarray, first: int, span: int) -> np.ndarray:
     return np.where(np.isfinite(low), low, 0.0)
 
 
+class SmallestStep:
+    """``resolution`` of the point after a history that grows one point at a time, kept between
+    points with its age: looking over the whole history for each point cost more than the rest of
+    a one-point update. ``forget`` it when the history changes any other way.
+
+    >>> smallest, history = SmallestStep(), [1.0, 1.5, 1.75]
+    >>> smallest.resolution(history)
+    0.25
+    >>> history.append(1.875); smallest.advance(history); smallest.resolution(history)
+    0.125
+    """
+
+    def __init__(self) -> None:
+        self._found: tuple[float, int] | None = None  # (the step, how many steps came after it)
+
+    def forget(self) -> None:
+        self._found = None
+
+    def resolution(self, history: list[float]) -> float:
+        """The smallest non-zero step between consecutive points of ``history`` (0: none)."""
+        if self._found is None:
+            steps = np.abs(np.diff(np.asarray(history)))
+            positive = steps[steps > 0]
+            if len(positive):
+                smallest = float(positive.min())
+                self._found = (smallest, int(len(steps) - 1 - np.flatnonzero(steps == smallest)[-1]))
+            else:
+                self._found = (math.inf, 0)
+        smallest = self._found[0]
+        return smallest if math.isfinite(smallest) else 0.0
+
+    def advance(self, history: list[float]) -> None:
+        """Carry the smallest step over the step ``history`` just took (its last point is new)."""
+        if self._found is None or len(history) < 2:
+            self._found = None
+            return
+        step, (smallest, age) = abs(history[-1] - history[-2]), self._found
+        smallest, age = (step, 0) if 0 < step <= smallest else (smallest, age + 1)
+        # The history holds len - 1 steps; the smallest has left it once it is older than that.
+        self._found = (smallest, age) if age < len(history) - 1 else None
+
+
 def trailing_windows(history: np.ndarray, window: int, first: int) -> list[np.ndarray]:
     """For each index ``i >= first`` of ``history``, the (up to) ``window`` values before it, as
     groups of equal-length rows: one 2-D array for the full windows, one row each for shorter ones."""

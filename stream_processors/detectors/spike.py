@@ -13,6 +13,7 @@ from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, adva
 from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
+    SmallestStep,
     check_direction,
     directed,
     directed_one,
@@ -132,7 +133,7 @@ class RobustSpike(Detector):
         # Far points seen, how many followed a far point, and P(far | far) for the run in progress
         # (``runs.score_runs``).
         self.pairs = [float(v) for v in pairs]
-        self._smallest: tuple[float, int] | None = None  # see ``_resolution_floor_one``; not state
+        self._smallest = SmallestStep()  # for ``_resolution_floor_one``; not state
         counts, pending = calib if calib else (prior_counts(half_normal_sf, PRIOR_WEIGHT), [])
         self.calib = TailModel(counts, pending, memory=memory)
 
@@ -230,7 +231,7 @@ class RobustSpike(Detector):
             return 0.0  # as there: scored 0 and not learned
         history = self.history
         if len(history) < self.warmup:  # warming up: learned, not judged (z unknown, as there)
-            self._smallest = None  # found afresh once judging begins
+            self._smallest.forget()  # found afresh once judging begins
             return self._learn_one(self._transform_one(value), 0.0, 0.0)
         if self.period or self.trending:
             return None
@@ -261,36 +262,14 @@ class RobustSpike(Detector):
         self.last_z = z
         self.history.append(x)
         del self.history[: -self.span]
-        self._track_smallest(self.history)
+        self._smallest.advance(self.history)
         self.seen += 1
         self._look_for_period()
         return score
 
     def _resolution_floor_one(self, history: list[float]) -> float:
-        """``_resolution_floor`` of the point after ``history``: half its smallest non-zero step.
-
-        Kept between points (``_smallest``: the step and how many steps came after it), since
-        looking over the whole history for each point cost more than the rest of it."""
-        if self._smallest is None:
-            steps = np.abs(np.diff(np.asarray(history)))
-            positive = steps[steps > 0]
-            if len(positive):
-                smallest = float(positive.min())
-                self._smallest = (smallest, int(len(steps) - 1 - np.flatnonzero(steps == smallest)[-1]))
-            else:
-                self._smallest = (math.inf, 0)
-        smallest = self._smallest[0]
-        return 0.5 * smallest if math.isfinite(smallest) else 0.0
-
-    def _track_smallest(self, history: list[float]) -> None:
-        """Carry ``_smallest`` over the step ``history`` just took (its last point is new)."""
-        if self._smallest is None or len(history) < 2:
-            self._smallest = None
-            return
-        step, (smallest, age) = abs(history[-1] - history[-2]), self._smallest
-        smallest, age = (step, 0) if 0 < step <= smallest else (smallest, age + 1)
-        # The history holds len - 1 steps; the smallest has left it once it is older than that.
-        self._smallest = (smallest, age) if age < len(history) - 1 else None
+        """``_resolution_floor`` of the point after ``history``: half its smallest non-zero step."""
+        return 0.5 * self._smallest.resolution(history)
 
     def _look_for_period(self) -> None:
         """Every ``PERIOD_EVERY`` learned points: a period, else (where allowed) whether a line fits."""
@@ -315,7 +294,7 @@ class RobustSpike(Detector):
             score = self._update_one(float(values[0]))
             if score is not None:
                 return np.array([score])
-        self._smallest = None  # the history changes below (a level change moves all of it)
+        self._smallest.forget()  # the history changes below (a level change moves all of it)
         # Within a stretch (no level change, no period check) every point's z is known up front,
         # since the history grows by the finite points whatever their scores: one numpy pass per
         # stretch for the z, one for the tail model (``TailModel.update_many``), and the shift
