@@ -78,6 +78,18 @@ class AlertPolicy:
         return alerts
 
 
+def resolve_retired(cond: Condition, *, run: str, rank: int | None, metric: str, detector: str, severity: str,
+                    step: int, value: float, now: float) -> Alert:
+    """The ``resolved`` transition of a firing condition whose rule was removed: nothing would judge
+    it again, so without this its alert would stay open for good."""
+    return Alert(
+        key=Alert.make_key(run, detector, metric, rank), run=run, status="resolved", severity=severity,
+        detector=detector, metric=metric, rank=rank, step=step, value=value, ts=now, score=0.0,
+        message=f"{metric} on {_who(rank)}: its {detector} rule was removed; resolved at step {step}",
+        incident=cond.incident, ranks=() if rank is None else (rank,),
+    )
+
+
 def _who(rank: int | None) -> str:
     return "the run" if rank is None else f"rank {rank}"
 

@@ -21,7 +21,7 @@ from rankwatch.errors import RankwatchError
 from rankwatch.stream_processors import stored
 from rankwatch.stream_processors.detectors import Detector, NonFinite
 from rankwatch.stream_processors.detectors.calibration import fit_due
-from rankwatch.stream_processors.policies import AlertPolicy, Condition
+from rankwatch.stream_processors.policies import AlertPolicy, Condition, resolve_retired
 from rankwatch.stream_processors.rules import Rule, Rules, default_rules, detector_classes
 from rankwatch.stream_processors.windows import Window, roll, roll_one
 
@@ -149,7 +149,11 @@ class TelemetryProcessor:
             elif ms.rules is not rules:
                 if ms.detectors.keys() != rules.keys():  # the rules changed since this state was built
                     for name, detector, condition in _follow_rules(ms, rules):
-                        alerts.append(_retired(batch, metric, name, detector, condition, series, now))
+                        step, value = ((int(series.steps[0]), float(series.values[0])) if len(series.steps)
+                                       else (condition.incident, math.nan))
+                        alerts.append(resolve_retired(
+                            condition, run=batch.run, rank=batch.rank, metric=metric, detector=name,
+                            severity=detector.severity, step=step, value=value, now=now))
                 ms.rules = rules
             # One check per series instead of one per stateless detector: nearly every series is all
             # finite, and at one step per message numpy's fixed cost per call is most of the work.
@@ -219,18 +223,6 @@ def _follow_rules(ms: MetricState, rules: dict[str, Rule]) -> list[tuple[str, De
         if name not in ms.detectors:
             ms.detectors[name] = rule.build()
     return firing
-
-
-def _retired(batch: TelemetryBatch, metric: str, name: str, detector: Detector, condition: Condition,
-             series: Series, now: float) -> Alert:
-    """The resolve of a firing condition whose rule was removed, at the first step after the change."""
-    step, value = (int(series.steps[0]), float(series.values[0])) if len(series.steps) else (condition.incident, math.nan)
-    return Alert(
-        key=Alert.make_key(batch.run, name, metric, batch.rank), run=batch.run, status="resolved",
-        severity=detector.severity, detector=name, metric=metric, rank=batch.rank, step=step, value=value,
-        message=f"{metric} on rank {batch.rank}: its {name} rule was removed; resolved at step {step}", ts=now,
-        score=0.0, incident=condition.incident, ranks=(batch.rank,),
-    )
 
 
 def _all_finite(values: np.ndarray) -> bool:

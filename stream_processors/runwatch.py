@@ -51,7 +51,7 @@ from rankwatch.stream_processors.clocks import OutageClock
 from rankwatch.stream_processors.detectors import CrossRank, Stall
 from rankwatch.stream_processors.detectors.stall import Stalled
 from rankwatch.stream_processors.grouping import ranks_text
-from rankwatch.stream_processors.policies import AlertPolicy, Condition
+from rankwatch.stream_processors.policies import AlertPolicy, Condition, resolve_retired
 from rankwatch.stream_processors.rules import Rule, Rules
 
 STALL_METRIC = "steps"  # what a stall alert is about: the rank stopped advancing steps
@@ -126,6 +126,9 @@ class RunWatch:
     # behind on one partition gets its ranks' steps late, all together, whatever the others show.
     partition_of: dict[int, int] = field(default_factory=dict)
     partition_ts: dict[int, float] = field(default_factory=dict)
+    # Firing conditions of rules removed since the watch was stored, (detector, severity, metric,
+    # rank, condition): the next tick resolves them. Not stored: the write after that tick drops them.
+    retired: list[tuple[str, str, str, int | None, Condition]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-able and versioned. Times on the outage clock are stored as ages at ``clock``: each
@@ -165,15 +168,22 @@ class RunWatch:
         def back(age: float | None) -> float:
             return -math.inf if age is None else clock - age
 
-        tracks = {}
+        tracks, retired = {}, []
         for metric, track in d["tracks"].items():
             rule = rules.cross_rank_rule(metric)
             if rule is not None:
                 tracks[metric] = _Track.from_dict(track, rule)
+            else:
+                retired += [(CrossRank.name, CrossRank.severity, metric, int(r), Condition(**c))
+                            for r, c in track["conditions"].items() if c["firing"]]
+        stall_conditions = {None if r == "run" else int(r): Condition(**c) for r, c in d["stall_conditions"].items()}
+        if rules.stall is None:
+            retired += [("stall", Stall.severity, STALL_METRIC, r, c) for r, c in stall_conditions.items() if c.firing]
+            stall_conditions = {}
         return cls(
             run=d["run"], world_size=d["world_size"], partition=d["partition"], tracks=tracks,
             stall=None if d["stall"] is None or rules.stall is None else Stall.from_state(d["stall"]),
-            stall_conditions={None if r == "run" else int(r): Condition(**c) for r, c in d["stall_conditions"].items()},
+            stall_conditions=stall_conditions, retired=retired,
             last_step={int(r): s for r, s in d["last_step"].items()},
             heard={int(r): t for r, t in d["heard"].items()},
             waits={int(r): (w[0], w[1]) for r, w in d["waits"].items()},
@@ -260,14 +270,18 @@ class RunWatcher:
 
     def tick(self, watch: RunWatch, now: float) -> list[Alert]:
         """Rows whose wait ran out, and ranks that stopped; call this on a timer."""
-        alerts: list[Alert] = []
+        run_step = max(watch.last_step.values(), default=-1)
+        alerts = [resolve_retired(condition, run=watch.run, rank=rank, metric=metric, detector=detector,
+                                  severity=severity, value=math.nan, now=now,
+                                  step=run_step if rank is None else watch.last_step.get(rank, run_step))
+                  for detector, severity, metric, rank, condition in watch.retired]
+        watch.retired = []
         clock = watch.clock = self.outages.read(now)
         at = watch.event_now(clock)
         for metric, track in watch.tracks.items():
             alerts += self._score_ready(watch, metric, track, at, now)
         if watch.stall is not None and self.rules.stall is not None:
             stalled, cause, why = self._stalls(watch, watch.stall, at, clock)
-            run_step = max(watch.last_step.values(), default=-1)
             rule = self.rules.stall
             policy = AlertPolicy(for_=rule.for_, resolve_after=rule.resolve_after, cooldown=rule.cooldown)
             for rank in set(watch.stall_conditions) | set(stalled):

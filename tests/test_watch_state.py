@@ -9,7 +9,8 @@ from faust.serializers import codecs
 
 from rankwatch.contract import RankProgress, Series
 from rankwatch.stream_processors.clocks import OutageClock
-from rankwatch.stream_processors.rules import default_rules
+from rankwatch.stream_processors.policies import Condition
+from rankwatch.stream_processors.rules import Rules, default_rules
 from rankwatch.stream_processors.runwatch import WATCH_VERSION, RunWatch, RunWatcher, WatchStateError
 from rankwatch.stream_processors.tables import MAX_RECORD_BYTES, STATE_CODEC
 
@@ -123,3 +124,24 @@ def test_a_large_runs_watch_stores_its_learning_not_its_waiting_rows():
     assert 100_000 < largest < MAX_RECORD_BYTES  # per-rank baselines of 4,096 ranks, and no rows
     # Each step is learned once: a rank's value for a step already scored does not open it again.
     assert all(0 < track.detector.steps <= 128 for track in watch.tracks.values())
+
+
+def test_a_firing_alert_whose_rule_is_gone_from_the_next_owners_rules_is_resolved_once():
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    fired = []
+    for i, progress in enumerate(_stream(range(60))):
+        fired += watcher.observe(watch, progress, now=float(i // 4))
+    assert [(a.rank, a.status) for a in fired] == [(2, "firing")]  # rank 2 straggles from step 40
+    watch.stall_conditions[None] = Condition(firing=True, incident=55)  # and, say, a run-wide stall
+    # The next owner runs rules with neither the compute-time straggler rule nor the stall rule.
+    rules = default_rules()
+    kept = Rules(tuple(r for r in rules.rules if r.detector != "stall" and "compute_time_s" not in r.metrics),
+                 rules.group_wait_s)
+    moved = RunWatch.from_dict(_stored(watch), rules=kept, clock=100.0)
+    assert "compute_time_s" not in moved.tracks and moved.stall_conditions == {}
+    resolved = RunWatcher(rules=kept).tick(moved, now=100.0)
+    assert sorted((a.detector, a.rank, a.status, a.incident) for a in resolved) == [
+        ("crossrank", 2, "resolved", fired[0].incident), ("stall", None, "resolved", 55)]
+    assert resolved[0].key in {fired[0].key, "r/stall/steps"} and "rule was removed" in resolved[0].message
+    assert RunWatcher(rules=kept).tick(moved, now=101.0) == []  # once
+    assert RunWatch.from_dict(_stored(moved), rules=kept, clock=102.0).retired == []  # and not stored
