@@ -143,6 +143,12 @@ def soak(args) -> dict:
         while True:
             time.sleep(args.every_s)
             now = time.time()
+            dead = [w for w in stack.workers if w.proc.poll() is not None]
+            if dead:  # a soak is about a running worker: say why one stopped, and stop
+                for w in dead:
+                    print(f"worker {w.index} exited with code {w.proc.returncode}; its last lines:", flush=True)
+                    print("\n".join(list(w.tail)[-40:]), flush=True)
+                raise SystemExit(1)
             stats = [_proc_stat(pid) for pid in pids]
             cpu = sum(c for _, c in stats)
             publishing = publisher.is_alive()

@@ -13,7 +13,7 @@ from rankwatch.stream_processors.clocks import OutageClock
 
 POLL_RECORDS = 500  # records a poll returns, at most
 BUFFER_RECORDS = 1000  # a stream's buffer: about a second of stage 1's work at one step a message
-FETCH_BYTES = 64 * 1024  # per partition and fetch
+FETCH_BYTES = 1024 * 1024  # per partition and fetch
 
 
 class App(faust.App):
@@ -67,10 +67,10 @@ def make_app(settings: Settings, *, flavor: str, partitions: int, outages: Outag
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_linger=0.005,
-        # aiokafka hands out a poll's records partition by partition, each to its end: a NaN-lane
-        # record fetched beside megabytes of telemetry waited for stage 1 to work through all of it.
-        # Small fetches keep that to a few hundred messages; small polls and buffers keep the
-        # telemetry held in the process near a second's worth (issue 16, docs/performance.md).
+        # Small polls and buffers keep the telemetry held in the process near a second's worth. The
+        # NaN lane does not wait behind it: a consumer of its own reads the lane (``lane.py``), so
+        # fetches can be as large as throughput wants (64 KB a partition held two workers at half a
+        # core each while 1,024 ranks' lag grew; issue 16, docs/performance.md).
         broker_max_poll_records=POLL_RECORDS,
         stream_buffer_maxsize=BUFFER_RECORDS,
         consumer_max_fetch_size=FETCH_BYTES,
