@@ -30,6 +30,7 @@ import threading
 import time
 
 import faust
+from aiokafka.errors import IllegalStateError
 
 from rankwatch import contract
 from rankwatch.admin import detect_flavor, drop_mismatched, ensure_topics
@@ -91,6 +92,16 @@ def build_app(settings: Settings) -> faust.App:
 
     @app.timer(interval=FETCH_CHECK_S)
     async def unstick_partitions():
+        # A timer that raises stops the whole worker (Faust's crash handling), and this one asks the
+        # consumer about partitions a rebalance can take away between two awaits.
+        try:
+            await check_partitions()
+        except IllegalStateError as exc:  # "Partition ... is not assigned": a rebalance began meanwhile
+            log.info("partition check skipped: %s", exc)
+        except Exception:
+            log.exception("partition check failed; the next one runs in %.0f s", FETCH_CHECK_S)
+
+    async def check_partitions() -> None:
         consumer = app.consumer
         if app.rebalancing:
             return
