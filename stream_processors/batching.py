@@ -121,7 +121,7 @@ def process_in_parts(
         out.messages.extend(rollups)
     for run in list(progress):
         flush(run)
-    fit_due_models(out.states.values())  # once per batch: it costs about as much for 50 models as for 2
+    fit_due_models(out.states.values())  # once per batch: 100 models fitted together cost what two alone do
     yield out
 
 

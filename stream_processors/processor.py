@@ -149,8 +149,7 @@ class TelemetryProcessor:
             elif ms.rules is not rules:
                 if ms.detectors.keys() != rules.keys():  # the rules changed since this state was built
                     for name, detector, condition in _follow_rules(ms, rules):
-                        step, value = ((int(series.steps[0]), float(series.values[0])) if len(series.steps)
-                                       else (condition.incident, math.nan))
+                        step, value = (int(steps[0]), float(values[0])) if len(steps) else (condition.incident, math.nan)
                         alerts.append(resolve_retired(
                             condition, run=batch.run, rank=batch.rank, metric=metric, detector=name,
                             severity=detector.severity, step=step, value=value, now=now))

@@ -18,7 +18,7 @@ from rankwatch.sketch import MAX_CENTROIDS, Sketch
 _FLOATS = ("mean", "m2", "min", "max", "last")  # the fields that may be infinite or NaN
 
 
-@dataclass(slots=True)  # slots: a window gets a point per metric per message, and their attributes are most of that
+@dataclass(slots=True)  # every metric's window takes a point per message: attribute access is most of that
 class Window:
     index: int
     count: int = 0

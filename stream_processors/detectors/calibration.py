@@ -154,7 +154,8 @@ class TailModel:
     def _set(self, fit: tuple[np.ndarray, ...], row: int) -> None:
         sf, u, sf_u, xi, sigma = fit
         self.due = False
-        self._fit_row = tuple(a[row : row + 1] for a in fit)  # for survival_rows
+        # For survival_rows; copies, since a view would keep a whole batch's fit (``fit_due``) alive.
+        self._fit_row = tuple(a[row : row + 1].copy() for a in fit)
         self._sf = sf[row].tolist()
         self._u, self._sf_u, self._xi, self._sigma = float(u[row]), float(sf_u[row]), float(xi[row]), float(sigma[row])
 
@@ -299,7 +300,7 @@ class TailModel:
 def fit_due(models: Iterable[TailModel]) -> None:
     """Fit every model whose fit is due as one 2-D fit. A model learning one point at a time refits
     every ``REFIT`` points, and at one point per message those single-row fits were a sixth of a
-    worker's stage 1; 50 rows cost what two do. ``fit_rows`` fits rows independently, so this gives
+    worker's stage 1; a fit of 100 rows costs what two of one row do. ``fit_rows`` fits rows independently, so this gives
     what each model's own fit would: it only moves the work, and a model it misses fits itself."""
     due = [m for m in models if m.due]
     if due:
