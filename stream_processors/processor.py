@@ -140,7 +140,7 @@ class TelemetryProcessor:
             steps, values = series.steps, series.values
             # One step per message is the usual case: its step and value as plain numbers, once.
             one = (int(steps[0]), float(values[0])) if len(steps) == 1 else None
-            if one is not None or len(steps):
+            if len(steps):
                 top = one[0] if one is not None else int(steps.max())
                 last_step = top if last_step is None else max(last_step, top)
             ms = state.metrics.get(metric)

@@ -300,8 +300,9 @@ class TailModel:
 def fit_due(models: Iterable[TailModel]) -> None:
     """Fit every model whose fit is due as one 2-D fit. A model learning one point at a time refits
     every ``REFIT`` points, and at one point per message those single-row fits were a sixth of a
-    worker's stage 1; a fit of 100 rows costs what two of one row do. ``fit_rows`` fits rows independently, so this gives
-    what each model's own fit would: it only moves the work, and a model it misses fits itself."""
+    worker's stage 1; a fit of 100 rows costs what two of one row do. ``fit_rows`` fits rows
+    independently, so this gives what each model's own fit would: it only moves the work, and a
+    model it misses fits itself."""
     due = [m for m in models if m.due]
     if due:
         fit = fit_rows(np.stack([m.counts for m in due]))
