@@ -26,12 +26,12 @@ import os
 import resource
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
-import scipy.stats
 import torch
+
+from step_clocks import Clocks, cpu_ns, cpu_times, mean_ci, paired_ratio, spent_ns
 
 from rankwatch.producers import RankPublisher, TrainerHook, torch_hook
 from rankwatch.broker import EmbeddedBroker, free_port
@@ -133,47 +133,6 @@ def _time_callbacks(hook: TrainerHook) -> dict[str, list[float]]:
     return spent
 
 
-def _cpu_ns(pid: int | str) -> dict[str, int]:
-    """CPU nanoseconds of each thread of process ``pid`` (or "self"), from ``/proc/PID/task/*/schedstat``."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                out[tid] = int(f.read().split()[0])
-        except (OSError, IndexError, ValueError):  # a thread that just ended
-            pass
-    return out
-
-
-def _spent_ns(before: dict[str, int], after: dict[str, int], tids) -> int:
-    return sum(after.get(t, 0) - before.get(t, 0) for t in tids)
-
-
-class _Clocks:
-    """Wall, CPU and run-queue time of the calling (training) thread, in seconds.
-
-    Run-queue time (``/proc/self/task/TID/schedstat``) is the time the thread could have run but the
-    kernel gave its core to another thread or process. ``wall - CPU - queued`` is then the time it
-    was blocked: a training thread does no I/O, so that is waiting for the GIL.
-    """
-
-    def __init__(self) -> None:
-        self._fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
-
-    def read(self) -> tuple[float, float, float]:
-        queued = int(os.pread(self._fd, 64, 0).split()[1]) / 1e9
-        return time.perf_counter(), time.thread_time(), queued
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-def _cpu_times() -> list[int]:
-    """The machine's CPU time so far by kind (user, nice, system, idle, iowait, irq, softirq, steal, …)."""
-    with open("/proc/stat") as f:
-        return [int(x) for x in f.readline().split()[1:]]
-
-
 def _stride(arm: _Arm, publisher: RankPublisher, seconds: float) -> int:
     """The stride the hook chooses by itself (``every=None``) on ``arm`` stepping alone."""
     arm.attach(publisher)
@@ -220,45 +179,15 @@ def _rounds(arms: list[_Arm], publisher: RankPublisher, seconds: float, min_roun
     return np.array(wall).T, np.array(cpu).T
 
 
-def _ratio(x: np.ndarray, a: np.ndarray, stat, block: int) -> tuple[str, float, float]:
-    """``stat(x - a) / stat(a)`` over paired rounds, with a 95% interval from a block bootstrap:
-    whole runs of ``block`` consecutive rounds are resampled, because the machine's speed drifts
-    over seconds and rounds close in time are not independent (resampling single rounds gave A/A
-    intervals that excluded zero). As text, and the estimate and the interval's upper end."""
-    def ratio(x, a):
-        return stat(x - a, axis=-1) / stat(a, axis=-1)
-
-    n = len(x) // block
-    xb, ab = x[: n * block].reshape(n, block), a[: n * block].reshape(n, block)
-    picks = np.random.default_rng(0).integers(0, n, size=(2000, n))
-    samples = ratio(xb[picks].reshape(2000, -1), ab[picks].reshape(2000, -1))
-    low, high = np.percentile(samples, [2.5, 97.5])
-    return f"{ratio(x, a):+.2%} [{low:+.2%}, {high:+.2%}]", float(ratio(x, a)), float(high)
-
-
-def _mean_ci(x: np.ndarray, chunks: int = 20) -> tuple[float, float]:
-    """The mean of ``x`` and the upper end of its bootstrap 95% interval, resampling runs of
-    consecutive values (one burst of the sender's work spans several steps)."""
-    parts = np.array_split(x, chunks)
-    sums, counts = np.array([p.sum() for p in parts]), np.array([len(p) for p in parts], dtype=float)
-
-    def mean(s, c, axis=-1):
-        return s.sum(axis=axis) / c.sum(axis=axis)
-
-    ci = scipy.stats.bootstrap((sums, counts), mean, paired=True, vectorized=True, n_resamples=2000,
-                               method="percentile", random_state=np.random.default_rng(0)).confidence_interval
-    return float(np.mean(x)), float(ci.high)
-
-
 def _alone(arm: _Arm, seconds: float, others: dict[str, int | None], probe=lambda: None) -> dict:
     """Run one copy alone for about ``seconds``: per step, the training thread's blocked time (wall
     minus CPU minus run-queue time: waiting for the GIL); its page faults per step; and CPU
     nanoseconds of every thread of this process and of the ``others`` processes (name: pid) over
     the whole run. ``probe()`` runs after each step, untimed."""
-    clocks, blocked = _Clocks(), []
+    clocks, blocked = Clocks(), []
     others = {name: pid for name, pid in others.items() if pid}
     gc.collect()
-    before, others_before = _cpu_ns("self"), {name: _cpu_ns(pid) for name, pid in others.items()}
+    before, others_before = cpu_ns("self"), {name: cpu_ns(pid) for name, pid in others.items()}
     deadline = time.perf_counter() + seconds
     faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     while len(blocked) < 50 or time.perf_counter() < deadline:
@@ -271,11 +200,11 @@ def _alone(arm: _Arm, seconds: float, others: dict[str, int | None], probe=lambd
     if arm.publisher is not None:
         arm.publisher.flush()  # the sender's work for these steps is done before its CPU time is read
     clocks.close()
-    after = _cpu_ns("self")
+    after = cpu_ns("self")
     spent = {}
     for name, pid in others.items():
-        now = _cpu_ns(pid)
-        spent[name] = _spent_ns(others_before[name], now, now)
+        now = cpu_ns(pid)
+        spent[name] = spent_ns(others_before[name], now, now)
     return {"steps": len(blocked), "blocked": np.array(blocked), "faults": faults, "threads": (before, after),
             "others": spent}
 
@@ -330,9 +259,9 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
         steps, plain = hooked["steps"], float(np.median(cpu[0]))
         each = {name: (cpu_s - timer[0]) / steps for name, (cpu_s,) in spent.items()}
         in_hook = sum(each.values())
-        gil, gil_high = _mean_ci(hooked["blocked"])
+        gil, gil_high = mean_ci(hooked["blocked"])
         control_gil = float(np.mean(control["blocked"]))
-        sender = _spent_ns(*hooked["threads"], publisher_tids) / steps / 1e9
+        sender = spent_ns(*hooked["threads"], publisher_tids) / steps / 1e9
         broker = f"{hooked['others']['broker'] / steps / 1e3:.0f}" if broker_pid else "not ours"
         shipper = hooked["others"]["shipper"] / steps / 1e9
         params = sum(p.numel() for p in arms[0].model.parameters())
@@ -340,10 +269,10 @@ def section_step(bootstrap: str, seconds: float, broker_pid: int | None, linger_
                            f"| {control_gil * 1e6:.1f} | {hooked['faults']:.0f} | {control['faults']:.0f} "
                            f"| {sender * 1e6:.1f} | {shipper * 1e6:.1f} | {broker} |")
         paired_rows.append(f"| {label} | {wall.shape[1]:,} | {np.median(wall[0]) * 1e3:.3f} | "
-                           + " | ".join(_ratio(t[k], t[0], stat, _TURN)[0] for k in (2, 1)
+                           + " | ".join(paired_ratio(t[k], t[0], stat, _TURN)[0] for k in (2, 1)
                                         for t, stat in ((cpu, np.mean), (wall, np.median))) + " |")
         callback_rows.append(f"| {label} | " + " | ".join(f"{each[name] * 1e6:.1f}" for name in _CALLBACKS) + " |")
-        _, synced, synced_high = _ratio(cpu[2], cpu[0], np.mean, _TURN)
+        _, synced, synced_high = paired_ratio(cpu[2], cpu[0], np.mean, _TURN)
         verdict_rows.append(f"| {label} | {plain * 1e3:.3f} | {in_hook / plain:.2%} | {synced:+.2%} | {gil / plain:.2%} "
                             f"| {synced_high + gil_high / plain:.2%} | {(sender + shipper) / plain:.2%} |")
 
@@ -406,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **PINNED_ALLOCATOR})  # read at start-up
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
-    started = _cpu_times()
+    started = cpu_times()
     pinned = " (glibc's allocator settings pinned)" if args.pinned_allocator else ""
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads 1, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}{pinned}")
@@ -417,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                 EmbeddedBroker(port=free_port(), log_path=f"{tmp}/broker.log") as broker:
             section_step(broker.bootstrap, args.step_seconds, broker._proc.pid, args.linger_s, args.models)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    spent = [b - a for a, b in zip(started, _cpu_times())]
+    spent = [b - a for a, b in zip(started, cpu_times())]
     # A VM's vCPU can be descheduled by its host; the training thread then counts that time as
     # neither run nor queued, which the tables above read as GIL wait (the control's column shows it).
     print(f"CPU time stolen by the VM's host during the run: {spent[7] / max(1, sum(spent[:8])):.2%}")
