@@ -24,6 +24,7 @@ One incident, one page: a NaN reaches loss, grad norm and the weights at one ste
 its own condition. Conditions of a run whose incidents start at the same step (``PAGE_STEPS``)
 join one page: its alert (the key of its first condition, the highest severity
 of all, the ranks all its conditions share, or all ranks if none) lists every metric in ``metrics`` and is re-sent as it grows, as it is when ranks join.
+Its message says which ranks it covers, which of them every metric shares, and quotes its first rank.
 Members that resolve are silent until the last one does; then one ``resolved`` alert closes the
 page.
 """
@@ -175,11 +176,12 @@ class Grouper:
             return []  # nothing new since the last alert of this incident
         group.emitted = sorted(set(group.emitted) | set(group.ranks))
         first = Alert.from_dict(group.first)
-        return self._page(state, gkey, self._alert(gkey, group, first, "firing", first, now))
+        return self._page(state, gkey, self._alert(gkey, group, first, "firing", first, now), first.message)
 
     @staticmethod
-    def _page(state: RunGroups, gkey: str, alert: Alert) -> list[Alert]:
-        """The page this firing alert opens or joins, as it is to be (re-)sent; [] if unchanged."""
+    def _page(state: RunGroups, gkey: str, alert: Alert, first_words: str) -> list[Alert]:
+        """The page this firing alert opens or joins, as it is to be (re-)sent; [] if unchanged.
+        ``first_words`` are its condition's first rank's, which a page of several metrics quotes."""
         page = next((p for p in state.pages.values() if gkey in p["active"]), None)
         if page is None:
             page = next((p for p in state.pages.values()
@@ -187,6 +189,7 @@ class Grouper:
         if page is None:
             state.pages[f"{gkey}@{alert.incident}"] = {
                 "incident": alert.incident, "members": [gkey], "active": [gkey], "alert": alert.to_dict(),
+                "first": first_words,
             }
             return [alert]
         sent = Alert.from_dict(page["alert"])
@@ -200,18 +203,22 @@ class Grouper:
         members = page.setdefault("ranks", {sent.key: list(sent.ranks)})
         members[gkey] = list(alert.ranks)
         sets = [set(r) for r in members.values()]
-        ranks = tuple(sorted(set.intersection(*sets) or set.union(*sets)))
+        shared, every = sorted(set.intersection(*sets)), sorted(set.union(*sets))
+        ranks = tuple(shared or every)
         severity = max(sent.severity, alert.severity, key=_SEVERITY.__getitem__)
         if len(metrics) == 1:
             message = alert.message if sent.key == alert.key else sent.message
-        else:
-            first_message = page.get("message", sent.message)
-            page["message"] = first_message
-            message = f"{len(metrics)} metrics at step {page['incident']} ({', '.join(metrics)}): {first_message}"
+        else:  # its own words for where it is, since its ranks change as members join
+            where = f"on {_ranks_phrase(every)}" + (f", every metric on {_ranks_phrase(shared)}"
+                                                    if shared and shared != every else "")
+            # Pages stored before "first" kept the first member's whole message as "message".
+            first = page.get("first") or page.get("message") or sent.message
+            message = f"{len(metrics)} metrics at step {page['incident']} ({', '.join(metrics)}) {where}; first: {first}"
         merged = replace(sent, ranks=ranks, rank=ranks[0] if len(ranks) == 1 else None, severity=severity,
                          metrics=tuple(metrics) if len(metrics) > 1 else (), message=message, ts=alert.ts,
                          score=max(sent.score, alert.score))
-        if (merged.ranks, merged.metrics, merged.severity) == (sent.ranks, sent.metrics, sent.severity):
+        if (merged.ranks, merged.metrics, merged.severity, merged.message) == \
+                (sent.ranks, sent.metrics, sent.severity, sent.message):
             return []
         page["alert"] = merged.to_dict()
         return [merged]
@@ -244,6 +251,10 @@ class Grouper:
             metric=first.metric, rank=ranks[0] if len(ranks) == 1 else None, step=at.step, value=at.value,
             message=message, ts=now, score=at.score, incident=first.incident, ranks=ranks,
         )
+
+
+def _ranks_phrase(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks ({ranks_text(ranks)})"
 
 
 def ranks_text(ranks: tuple[int, ...] | list[int], limit: int = 16) -> str:

@@ -197,3 +197,23 @@ def test_a_page_names_the_rank_its_conditions_share():
     out = [a for r in range(4) for a in grouper.add(state, _metric_signal("grad_norm", "nonfinite", rank=r, world=4), now=0.0)]
     out += grouper.tick(state, now=20.0)
     assert out and set(out[-1].metrics) == {"loss", "grad_norm"} and out[-1].ranks == (2,) and out[-1].rank == 2
+
+
+def test_a_pages_message_says_which_ranks_it_covers_as_its_ranks_change():
+    # As the demo showed it on a loaded machine: the all-reduced gradient pages ranks 0, 2 and 3
+    # first; rank 2's loss joins (every metric is on rank 2 only), then rank 1's gradient. The
+    # page's words followed none of it ("3 ranks (0, 2, 3) firing" beside ranks == (2,)).
+    grouper, state = Grouper(group_wait_s=10.0), RunGroups()
+    out = [a for r in (0, 2, 3) for a in grouper.add(state, _metric_signal("grad_norm", "nonfinite", rank=r, world=4),
+                                                     now=0.0)]
+    out += grouper.tick(state, now=20.0)
+    assert [a.ranks for a in out] == [(0, 2, 3)]
+    grouper.add(state, _metric_signal("loss", "nonfinite", rank=2, world=4), now=21.0)
+    [joined] = grouper.tick(state, now=40.0)
+    assert joined.ranks == (2,) and joined.metrics == ("grad_norm", "loss")
+    assert joined.message == ("2 metrics at step 120 (grad_norm, loss) on 3 ranks (0, 2, 3), every metric on rank 2; "
+                              "first: grad_norm is NaN on rank 0 at step 120 (nonfinite)")
+    # The last rank in: due at once. The same origin, one rank more: said again.
+    [grown] = grouper.add(state, _metric_signal("grad_norm", "nonfinite", rank=1, world=4), now=41.0)
+    assert grown.ranks == (2,) and "on 4 ranks (0, 1, 2, 3), every metric on rank 2;" in grown.message
+    assert grouper.tick(state, now=80.0) == []
