@@ -5,8 +5,11 @@ tests in test_kafka_faults.py are where it was seen."""
 
 from __future__ import annotations
 
-from collections import namedtuple
+from collections import defaultdict, namedtuple
 from types import SimpleNamespace
+
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from intervaltree import IntervalTree
 
 from rankwatch.stream_processors import consumer, kafka_transport, tansu
 from rankwatch.stream_processors.consumer import not_handed_over
@@ -119,3 +122,29 @@ def test_a_fetched_or_paused_partition_is_left_as_it_is():
     assert refetch(fetched, "p1") is None and fetched._active_partitions == {"p0", "p1"}
     paused = _fetch_sets(active={"p0"}, paused={"p1"})  # a table recovering: Faust resumes it when done
     assert refetch(paused, "p1") is None and paused._active_partitions == {"p0"}
+
+
+def _offsets_after_acks(cls, *, committed, acked, first_fetched=None, gaps=()):
+    """What ``cls._new_offset`` would commit for partition "p": Faust's bookkeeping, nothing else."""
+    state = object.__new__(cls)
+    state._committed_offset = defaultdict(lambda: None, p=committed)
+    state._acked = defaultdict(list, p=list(acked))
+    state._acked_index = defaultdict(set, p=set(acked))
+    state._gap = defaultdict(IntervalTree, p=IntervalTree.from_tuples(gaps))
+    state._first_fetched = {} if first_fetched is None else {"p": first_fetched}
+    return cls._new_offset(state, "p")
+
+
+def test_a_commit_never_passes_the_next_record_while_it_is_unacknowledged():
+    # Offset 31 is next; 32 and 33 are acknowledged (another rank's state was written first, or a
+    # rebalance made Faust drop 31). Faust's own bookkeeping commits 34: 31 would never be read
+    # again (faust#606; if this line fails, faust-streaming fixed it and the override can go).
+    assert _offsets_after_acks(faust_aiokafka.Consumer, committed=31, acked=[32, 33]) == 34
+    assert _offsets_after_acks(consumer.Consumer, committed=31, acked=[32, 33]) is None
+    # Nothing committed yet (Faust keeps 0 as None): the head is the first offset fetched.
+    assert _offsets_after_acks(faust_aiokafka.Consumer, committed=None, acked=[1, 2]) == 3
+    assert _offsets_after_acks(consumer.Consumer, committed=None, acked=[1, 2], first_fetched=0) is None
+    # Once the head is acknowledged, or is a gap in the log, the run commits as before.
+    assert _offsets_after_acks(consumer.Consumer, committed=31, acked=[31, 32, 34]) == 33
+    assert _offsets_after_acks(consumer.Consumer, committed=None, acked=[0, 1, 2], first_fetched=0) == 3
+    assert _offsets_after_acks(consumer.Consumer, committed=31, acked=[32, 33], gaps=[(31, 32)]) == 34
