@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from test_telemetry import _net, _total_norm, read_series
+from test_telemetry import _Capture, _net, _total_norm, read_series
 
 from rankwatch.producers import RankPublisher, TrainerHook
 
@@ -37,31 +37,6 @@ def test_grad_norm_is_right_whether_the_loop_replaces_or_zeroes_its_gradients(bo
     assert published == pytest.approx(expected, rel=1e-5)
     assert hook._grads.on_sender is not in_place
     assert ("keeps its gradient tensors" in caplog.text) is in_place
-
-
-class _Capture:
-    """A publisher stand-in that keeps what the hook logs, read as the sender would read it."""
-
-    def __init__(self):
-        self.points, self.wakes = [], []  # wakes: how many points had been logged at each wake()
-
-    def log(self, metrics, step):
-        self.points.append((step, dict(metrics)))
-
-    def defer(self, build, *args):
-        step, metrics = build(*args)
-        self.log(metrics, step)
-
-    def add_sampler(self, sampler):
-        pass
-
-    def wake(self):
-        self.wakes.append(len(self.points))
-
-    def values(self, name: str) -> dict[int, float]:
-        from rankwatch.producers.values import Chunk
-
-        return {step: v for step, n, v in Chunk(self.points, [], []).resolve() if n == name}
 
 
 def test_a_step_whose_gradients_change_before_the_sender_reads_them_publishes_neither_gradient_value():

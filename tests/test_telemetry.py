@@ -142,6 +142,31 @@ def test_published_values_equal_what_the_loop_computed(bootstrap, run_id, device
         assert gpu == set()
 
 
+class _Capture:
+    """A publisher stand-in that keeps what the hook logs, read as the sender would read it."""
+
+    def __init__(self):
+        self.points, self.wakes = [], []  # wakes: how many points had been logged at each wake()
+
+    def log(self, metrics, step):
+        self.points.append((step, dict(metrics)))
+
+    def defer(self, build, *args):
+        step, metrics = build(*args)
+        self.log(metrics, step)
+
+    def add_sampler(self, sampler):
+        pass
+
+    def wake(self):
+        self.wakes.append(len(self.points))
+
+    def values(self, name: str) -> dict[int, float]:
+        from rankwatch.producers.values import Chunk
+
+        return {step: v for step, n, v in Chunk(self.points, [], []).resolve() if n == name}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_loop_that_clips_passes_its_pre_clip_norm(bootstrap, run_id, device):
     torch.manual_seed(2)
