@@ -5,9 +5,11 @@ the cluster whole again. Workers run with a 6 s session timeout, the least Kafka
 partition whose worker is gone moves in seconds rather than Faust's default minute.
 
 A failed test here is run once more (``flaky``, pytest-rerunfailures; the summary counts reruns).
-Not because loss is tolerated: on 2026-12-03 the full suite passed them in one run of two, and the
-failure left was a rank's last windows never rolled up after a worker restart, with no fetch-watch
-warning and its cause not found (docs/operations.md). A second failure in a row fails the suite.
+Not because loss is tolerated: a rank's windows that never rolled up after a worker was killed,
+with no fetch-watch warning, were most likely Faust committing over an unacknowledged record
+(faust#606, fixed in ``stream_processors/consumer.py`` on 2026-12-04; docs/operations.md). The
+rerun stays for a slow machine's timeouts until the suite has shown that loss gone. A second
+failure in a row fails the suite.
 """
 
 from __future__ import annotations
