@@ -12,7 +12,7 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from intervaltree import IntervalTree
 
 from rankwatch.stream_processors import consumer, kafka_transport, tansu
-from rankwatch.stream_processors.consumer import not_handed_over
+from rankwatch.stream_processors.consumer import InOrder, not_handed_over
 from rankwatch.stream_processors.fetchwatch import FetchWatch, Offsets, refetch
 
 # What the survivor of a killed worker showed, stuck for good: fetched to the end, delivered nothing.
@@ -148,3 +148,18 @@ def test_a_commit_never_passes_the_next_record_while_it_is_unacknowledged():
     assert _offsets_after_acks(consumer.Consumer, committed=31, acked=[31, 32, 34]) == 33
     assert _offsets_after_acks(consumer.Consumer, committed=None, acked=[0, 1, 2], first_fetched=0) == 3
     assert _offsets_after_acks(consumer.Consumer, committed=31, acked=[32, 33], gaps=[(31, 32)]) == 34
+
+
+def test_a_partitions_records_go_to_a_stream_in_order_or_wait_for_the_seek_back():
+    # Faust skipped p0's 12 and 13 (inactive, its buffer full) and handed over 14 and 15 once it was
+    # active again; p1 went through whole.
+    record = namedtuple("record", "offset")
+    batch = {"p0": [record(o) for o in range(10, 16)], "p1": [record(o) for o in range(3, 6)]}
+    order = InOrder(batch)
+    yielded = [("p0", 10), ("p1", 3), ("p0", 11), ("p1", 4), ("p0", 14), ("p1", 5), ("p0", 15)]
+    assert [(tp, o) for tp, o in yielded if order.allows(tp, o)] == [("p0", 10), ("p1", 3), ("p0", 11), ("p1", 4),
+                                                                      ("p1", 5)]
+    assert not_handed_over(batch, order.handed) == {"p0": 12}  # sought back there, in order from then on
+    skipped_first = InOrder(batch)
+    assert not skipped_first.allows("p0", 11) and not skipped_first.allows("p0", 10)
+    assert not_handed_over(batch, skipped_first.handed) == {"p0": 10, "p1": 3}
