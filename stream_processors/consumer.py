@@ -17,7 +17,7 @@ forward to them would skip what lies before.
 
 Within a batch, a partition's records go to the stream in order or not at all. Faust skips the
 records of a partition that is inactive at that moment and hands over its later records once it is
-active again (its stream's buffer was full, then drained), so a stream got offsets 258-285 and
+active again (most likely its stream's buffer was full, then drained), so a stream got 258-285 and
 then 290-299 (the two-worker failover test beside two busy processes): stage 1 then drops the
 skipped records as replays when they come again, since their ranks' later messages were applied.
 Once a partition's record is skipped, its later records of the batch are held back too, and the

@@ -6,10 +6,10 @@ partition whose worker is gone moves in seconds rather than Faust's default minu
 
 A failed test here is run once more (``flaky``, pytest-rerunfailures; the summary counts reruns).
 Not because loss is tolerated: a rank's windows that never rolled up after a worker was killed,
-with no fetch-watch warning, were most likely Faust committing over an unacknowledged record
-(faust#606, fixed in ``stream_processors/consumer.py`` on 2026-12-04; docs/operations.md). The
-rerun stays for a slow machine's timeouts until the suite has shown that loss gone. A second
-failure in a row fails the suite.
+with no fetch-watch warning, came from Faust committing over an unacknowledged record (faust#606)
+and handing a partition's records over out of order, both fixed in ``stream_processors/consumer.py``
+on 2026-12-04 (docs/operations.md has the runs). The rerun stays for a slow machine's timeouts until
+full-suite runs have shown that loss gone. A second failure in a row fails the suite.
 """
 
 from __future__ import annotations
