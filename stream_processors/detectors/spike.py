@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,12 +30,6 @@ from rankwatch.stream_processors.detectors.scoring import (
 PRIOR_WEIGHT = 50.0
 #: Learned points between two looks for a period.
 PERIOD_EVERY = 64
-
-
-def _doubles(values) -> array:
-    """A history as doubles in an array, not a list of Python floats: a full one is 8 bytes a point
-    instead of 32, and these lists were a third of a rank's stage-1 state (issue 16)."""
-    return array("d", np.ascontiguousarray(values, dtype=np.float64).tobytes())
 
 
 class RobustSpike(Detector):
@@ -127,7 +120,7 @@ class RobustSpike(Detector):
         self.window, self.warmup, self.threshold = window, warmup, threshold
         self.min_scale, self.direction, self.tail = min_scale, direction, tail
         self.memory, self.rebase, self.max_period = memory, rebase, max_period
-        self.history = _doubles(list(history)[-self.span :])
+        self.history = [float(v) for v in history][-self.span :]
         self.run = int(run)  # signed count of consecutive far points on one side
         self.period = int(period)  # the detected period in points (0: none)
         self.seen = int(seen)  # finite points learned: the period is checked every PERIOD_EVERY
@@ -352,7 +345,7 @@ class RobustSpike(Detector):
             self.last_z = float(last) if rebased is None and math.isfinite(last) else 0.0
             scores[finite[done + warm : done + upto]] = s
             if rebased is None:
-                self.history = _doubles(series[-self.span :])
+                self.history = series[-self.span :].tolist()
                 self.seen += stop - done
                 done = stop
             else:
@@ -366,7 +359,7 @@ class RobustSpike(Detector):
                 end = start + upto - done
                 before, new = series[: max(end - run, 0)], series[max(end - run, 0) : end]
                 delta = float(np.median(new) - np.median(before[-self.window :])) if len(before) else 0.0
-                self.history = _doubles(np.r_[before + delta, new][-self.span :])
+                self.history = np.r_[before + delta, new][-self.span :].tolist()
                 self.seen += upto - done
                 self.run, done = 0, upto
             self._look_for_period()
