@@ -243,9 +243,8 @@ class Grouper:
         if len(ranks) == 1:
             message = at.message
         else:
-            shown = ranks_text(ranks)
             verb = "firing on" if status == "firing" else "resolved on all of"
-            message = f"{len(ranks)} ranks ({shown}) {verb}: {at.message}"
+            message = f"{_ranks_phrase(ranks)} {verb}: {at.message}"
         return Alert(
             key=gkey, run=first.run, status=status, severity=first.severity, detector=first.detector,
             metric=first.metric, rank=ranks[0] if len(ranks) == 1 else None, step=at.step, value=at.value,
@@ -253,7 +252,7 @@ class Grouper:
         )
 
 
-def _ranks_phrase(ranks: list[int]) -> str:
+def _ranks_phrase(ranks: tuple[int, ...] | list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks ({ranks_text(ranks)})"
 
 

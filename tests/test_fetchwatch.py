@@ -151,8 +151,8 @@ def test_a_commit_never_passes_the_next_record_while_it_is_unacknowledged():
 
 
 def test_a_partitions_records_go_to_a_stream_in_order_or_wait_for_the_seek_back():
-    # Faust skipped p0's 12 and 13 (inactive, its buffer full) and handed over 14 and 15 once it was
-    # active again; p1 went through whole.
+    # Faust skipped p0's 12 and 13 (inactive, most likely its buffer full) and handed over 14 and 15
+    # once it was active again; p1 went through whole.
     record = namedtuple("record", "offset")
     batch = {"p0": [record(o) for o in range(10, 16)], "p1": [record(o) for o in range(3, 6)]}
     order = InOrder(batch)
