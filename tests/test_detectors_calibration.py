@@ -126,8 +126,22 @@ def test_a_routine_burst_learned_before_a_period_is_found_stays_learned_after():
             flagged.append(i)
         periods.append(d.period)
     assert 25 in periods and 0 in periods[300:]  # found, lost, found again
-    # The first hiccup and pause judged after warm-up are news (nothing says yet that they recur).
-    assert flagged == [45, 50]
+    # A hiccup and a pause were seen while warming up (steps 22 and 25), so their first recurrences
+    # after it (45 and 50) are no news either.
+    assert flagged == []
+
+
+def test_a_drop_seen_while_warming_up_is_no_news_after_it_but_a_deeper_one_is():
+    # The corpus's clean run clean1r_s1: a loader hiccup halves throughput at step 22, inside the
+    # 40-point warm-up, and again at 45, the first time it is judged.
+    for drop, flagged in ((0.5, []), (0.3, [45]), (0.0, [45])):
+        rng = np.random.default_rng(1)
+        x = 2700.0 * (1 + 0.05 * rng.normal(size=120))
+        x[22] *= 0.5
+        x[45] *= drop
+        d = build("spike", direction="down")
+        scores = np.concatenate([d.update(x[i : i + 1]) for i in range(len(x))])
+        assert np.flatnonzero(d.decide(scores)).tolist() == flagged, drop
 
 
 def test_a_spike_on_a_rising_series_is_seen_against_its_local_line():

@@ -138,6 +138,11 @@ class RobustSpike(Detector):
         self.calib = TailModel(counts, pending, memory=memory)
 
     @property
+    def _teach_from(self) -> int:
+        """History from which a warm-up point's z is taught to the tail model (``update``)."""
+        return max(self.warmup // 2, 3)
+
+    @property
     def span(self) -> int:
         """History kept: a rolling window, plus three periods of the longest period looked for."""
         return self.window + 3 * self.max_period
@@ -230,7 +235,9 @@ class RobustSpike(Detector):
         if not math.isfinite(value):
             return 0.0  # as there: scored 0 and not learned
         history = self.history
-        if len(history) < self.warmup:  # warming up: learned, not judged (z unknown, as there)
+        if len(history) < self.warmup:  # warming up: learned, not judged
+            if len(history) >= self._teach_from:
+                return None  # its z teaches the tail model: the general path
             self._smallest.forget()  # found afresh once judging begins
             return self._learn_one(self._transform_one(value), 0.0, 0.0)
         if self.period or self.trending:
@@ -312,8 +319,15 @@ class RobustSpike(Detector):
             z = np.full(stop - done, np.nan)
             if first < len(series):
                 z[first - start :] = self._z_stretch(series, first)
-            # Warm-up points (the first ones, z NaN) score 0 and teach the tail model nothing.
+            # Warm-up points (the first ones, z NaN) score 0. From halfway through the warm-up
+            # each is taught to the tail model, against the points before it: a routine deviation
+            # seen while warming up (a loader hiccup every 23 steps, first at step 22) is then no
+            # one-in-a-million point when it recurs just after the warm-up.
             warm = max(first - start, 0)
+            teach = max(start, self._teach_from)
+            if teach < min(first, len(series)):
+                self.calib.update_probed(
+                    directed(self._z_stretch(series[:first], teach), self.direction), self.threshold, SHIFT_Z)
             judged = continuations(z[warm:], self.last_z, SHIFT_Z)
             carried = self.run
             self.run, shift = advance_shift(z[warm:], self.run, self.rebase)
