@@ -70,6 +70,10 @@ class RobustSpike(Detector):
     between two values seen), so a quantised gauge that flickers by one unit is not spiking. Non-finite points score 0 here (``NonFinite`` owns them)
     and are not learned.
 
+    The first ``warmup`` points score 0; from halfway through, each one's z against the points
+    before it is learned all the same, so a routine deviation seen while warming up (a loader
+    hiccup) is no one-in-a-million point when it recurs just after.
+
     Suits any noisy metric with occasional outliers: loss, grad norm, step time, throughput.
 
     Examples
