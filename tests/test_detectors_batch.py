@@ -95,6 +95,7 @@ DETECTORS = {
     "spike_down_small": lambda: RobustSpike(window=16, warmup=8, direction="down", max_period=20, rebase=3),
     "spike_low_threshold": lambda: RobustSpike(threshold=0.99),  # many points beyond: the clipped path
     "spike_tail_both": lambda: RobustSpike(tail=0.9),  # the tail's order statistics on both sides
+    "spike_min_run": lambda: RobustSpike(direction="down", min_run=3),  # runs too short to be news
     "blowup": lambda: Blowup(),
 }
 

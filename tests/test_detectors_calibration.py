@@ -185,3 +185,20 @@ def test_a_burst_that_no_single_point_makes_rare_enough_is_reported_within_a_few
     d = build("spike")
     flagged = np.flatnonzero(d.decide(d.update(x)))
     assert len(flagged) == 1 and 1301 <= flagged[0] <= 1304
+
+
+@pytest.mark.parametrize("slow_steps, flagged", [(1, []), (3, []), (5, [104]), (200, [104])])
+def test_with_min_run_only_a_drop_that_lasts_is_news(slow_steps, flagged):
+    # Throughput halved for a few steps (a hiccup, a busy host) or for good (a slower node); the
+    # default, min_run 1, reports each at its first step.
+    rng = np.random.default_rng(3)
+    x = 2700.0 * (1 + 0.05 * rng.normal(size=300))
+    x[100 : 100 + slow_steps] *= 0.5
+    one_by_one, batched = build("spike", direction="down", min_run=2), build("spike", direction="down", min_run=2)
+    scores = np.concatenate([one_by_one.update(x[i : i + 1]) for i in range(len(x))])
+    assert np.flatnonzero(one_by_one.decide(scores)).tolist() == flagged
+    default = build("spike", direction="down")
+    assert np.flatnonzero(default.decide(default.update(x))).tolist() == [100]
+    batch_scores = np.concatenate([batched.update(x[i : i + 7]) for i in range(0, len(x), 7)])
+    np.testing.assert_allclose(batch_scores, scores, rtol=0, atol=1e-12)
+    assert batched.state_dict() == one_by_one.state_dict()

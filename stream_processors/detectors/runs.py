@@ -21,7 +21,7 @@ PAIR_MEMORY = 200.0
 
 
 def score_runs(z: np.ndarray, s: np.ndarray, far_sf: np.ndarray, pairs: list[float], *, direction: str,
-               threshold: float, carried: int, alarmed: bool) -> list[float]:
+               threshold: float, carried: int, alarmed: bool, min_run: int = 1) -> list[float]:
     """Score runs of far points by their joint rarity (``s`` in place); returns the new ``pairs``.
 
     The ``k``-th point in a row at least ``SHIFT_Z`` sigmas off on the watched side scores at least
@@ -31,9 +31,13 @@ def score_runs(z: np.ndarray, s: np.ndarray, far_sf: np.ndarray, pairs: list[flo
     a series cluster: a busy host's slow steps come in runs). A burst, or a new level a few sigmas out
     that no single point makes rare enough, is reported within a few points, not only when a
     ``rebase`` confirms it. ``carried``: the signed run before ``z[0]``; ``alarmed``: whether it has
-    raised an alarm already, in which case it raises no second one.
+    raised an alarm already, in which case it raises no second one. ``min_run``: a point that ends a
+    run of fewer far points (or none) stays under the threshold, whatever it scored.
     """
     far = (directed(z, direction) >= SHIFT_Z) & np.isfinite(z)
+    below = np.nextafter(threshold, 0.0)
+    if min_run > 1:
+        np.minimum(s, below, out=s, where=~far)
     if not far.any():
         return pairs
     length, side = abs(carried), int(np.sign(carried))
@@ -52,6 +56,8 @@ def score_runs(z: np.ndarray, s: np.ndarray, far_sf: np.ndarray, pairs: list[flo
             p_next = (after_far + PAIR_PRIOR[0]) / (seen_far + PAIR_PRIOR[1])
         if not alarmed and length >= 2:
             s[i] = max(s[i], 1.0 - far_sf[i] * p_next ** (length - 1))
+        if length < min_run:
+            s[i] = min(s[i], below)
         alarmed = alarmed or s[i] >= threshold
         seen_far, after_far = seen_far + 1.0, after_far + float(follows)
         if seen_far > PAIR_MEMORY:  # old runs fade

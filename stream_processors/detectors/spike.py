@@ -70,6 +70,11 @@ class RobustSpike(Detector):
     between two values seen), so a quantised gauge that flickers by one unit is not spiking. Non-finite points score 0 here (``NonFinite`` owns them)
     and are not learned.
 
+    ``min_run`` (1: any point) is how many far points in a row, on the watched side, a deviation
+    needs before it is news. With 2, one slow step (a loader hiccup, a descheduled process) never
+    is; a drop that lasts is reported once its run as a whole is rare enough (``runs.score_runs``)
+    or, at the latest, when ``rebase`` confirms the new level.
+
     The first ``warmup`` points score 0; from halfway through, each one's z against the points
     before it is learned all the same, so a routine deviation seen while warming up (a loader
     hiccup) is no one-in-a-million point when it recurs just after.
@@ -102,6 +107,7 @@ class RobustSpike(Detector):
         memory: int = 1000,
         rebase: int = 8,
         max_period: int = 300,
+        min_run: int = 1,
         history: Sequence[float] = (),
         calib: Sequence[Any] = (),
         run: int = 0,
@@ -120,10 +126,13 @@ class RobustSpike(Detector):
             raise ValueError("need 0 < threshold < 1, min_scale >= 0, 0.5 <= tail < 1")
         if memory < 10 or rebase < 0 or max_period < 0 or max_period == 1:
             raise ValueError("need memory >= 10, rebase >= 0 (0: never), max_period 0 (off) or >= 2")
+        if min_run < 1:
+            raise ValueError("need min_run >= 1")
         check_direction(direction)
         self.window, self.warmup, self.threshold = window, warmup, threshold
         self.min_scale, self.direction, self.tail = min_scale, direction, tail
         self.memory, self.rebase, self.max_period = memory, rebase, max_period
+        self.min_run = int(min_run)
         self.history = [float(v) for v in history][-self.span :]
         self.run = int(run)  # signed count of consecutive far points on one side
         self.period = int(period)  # the detected period in points (0: none)
@@ -344,7 +353,8 @@ class RobustSpike(Detector):
             # A run that has raised an alarm already raises no second one.
             alarmed = bool(carried and self.marks and self.last_alarm >= self.seen + warm - abs(carried))
             self.pairs = score_runs(z[warm:upto], s, far_sf, self.pairs, direction=self.direction,
-                                    threshold=self.threshold, carried=carried, alarmed=alarmed)
+                                    threshold=self.threshold, carried=carried, alarmed=alarmed,
+                                    min_run=self.min_run)
             rebased = None
             if shift is not None:
                 # A level change is confirmed: ``rebase`` points in a row, each as rare as a
@@ -397,6 +407,7 @@ class RobustSpike(Detector):
             "memory": self.memory,
             "rebase": self.rebase,
             "max_period": self.max_period,
+            "min_run": self.min_run,
             "history": list(self.history),
             "calib": self.calib.state(),
             "run": self.run,
