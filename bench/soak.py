@@ -13,8 +13,9 @@ default, as ``RankPublisher`` writes), the last tick ``final``. This process rea
 (the progress stage 1 sends for each message it applies) and ``rankwatch.alerts``.
 
 Every ``--every-s`` seconds it prints a row: messages sent, the workers' RSS and CPU, the broker's and
-the publishing process's CPU, how busy the whole machine was (so that a growing lag can be told
-apart: the workers' own cost, or a machine with nothing left), and the lag: how
+the publishing process's CPU, how busy the whole machine was and how much of its CPU time a virtual
+machine's host took for others (so that a growing lag can be told apart: the workers' own cost, a
+machine with nothing left, or slower cores), and the lag: how
 long ago the newest message the worker has applied from its furthest-behind telemetry partition was
 stamped by its rank (so 1 s or so when it keeps up at 1 Hz). At the end, a summary: RSS growth from the
 first row after ``--warmup-min`` to the last while the ranks publish, the largest lag over those rows,
@@ -104,10 +105,12 @@ def _proc_stat(pid: int) -> tuple[float, float]:
     return rss_kb / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _host_busy() -> tuple[float, float]:
-    """(busy, total) CPU ticks of the whole machine since boot (/proc/stat): its load, whoever made it."""
+def _host_busy() -> tuple[float, float, float]:
+    """(busy, stolen, total) CPU ticks of the whole machine since boot (/proc/stat): its load, whoever
+    made it, and the time a virtual machine's host gave its cores to others (every process here then
+    needs more CPU time for the same work)."""
     ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
+    return sum(ticks) - ticks[3] - ticks[4], ticks[7], sum(ticks)  # idle and iowait are not busy
 
 
 def soak(args) -> dict:
@@ -136,9 +139,9 @@ def soak(args) -> dict:
         host_before = _host_busy()
         print(f"{args.ranks} ranks x {args.metrics} metrics at 1 Hz for {args.minutes} min on {args.broker}, "
               f"{args.workers} worker(s), {args.partitions} partitions", flush=True)
-        print("| min | sent | worker RSS MB | worker CPU % | broker CPU % | publisher CPU % | host busy % | lag s "
-              "| alerts |", flush=True)
-        print("|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("| min | sent | worker RSS MB | worker CPU % | broker CPU % | publisher CPU % | host busy % | stolen % "
+              "| lag s | alerts |", flush=True)
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
         drain_until = None
         while True:
             time.sleep(args.every_s)
@@ -164,11 +167,13 @@ def soak(args) -> dict:
                 row[name] = 100 * (used - others_before[name]) / args.every_s
                 others_before[name] = used
             host = _host_busy()
-            row["host"] = 100 * (host[0] - host_before[0]) / max(host[1] - host_before[1], 1)
+            total = max(host[2] - host_before[2], 1)
+            row["host"], row["stolen"] = 100 * (host[0] - host_before[0]) / total, 100 * (host[1] - host_before[1]) / total
             cpu_before, host_before = cpu, host
             rows.append(row)
             print(f"| {row['min']:.1f} | {row['sent']:,} | {row['rss']:.0f} | {row['cpu']:.0f} | {row['broker']:.0f} "
-                  f"| {row['publisher']:.0f} | {row['host']:.0f} | {row['lag']:.1f} | {row['alerts']} |", flush=True)
+                  f"| {row['publisher']:.0f} | {row['host']:.0f} | {row['stolen']:.0f} | {row['lag']:.1f} | {row['alerts']} |",
+                  flush=True)
             if not publishing and drain_until is None:
                 drain_until = now + args.drain_s  # the last messages have been sent: let the worker finish
             if drain_until is not None and (len(reader.finals) == args.ranks or now >= drain_until):
