@@ -33,11 +33,14 @@ def directed(z: np.ndarray, direction: str) -> np.ndarray:
 
 
 def median_rows(rows: np.ndarray) -> np.ndarray:
-    """The median of each row: ``np.median(rows, axis=1)`` without its per-call overhead."""
+    """The median of each row: ``np.median(rows, axis=1)`` without its per-call overhead, bit for bit.
+
+    A full sort, not ``np.partition``: numpy sorts float rows with SIMD, and a partition at two
+    ranks took 3-7 times as long as the sort at the widths detectors use (a 128 x 64 window: 108
+    against 18 us; 900 x 64: 735 against 97 us)."""
     n = rows.shape[1]
-    lo, hi = (n - 1) // 2, n // 2
-    part = np.partition(rows, (lo, hi), axis=1)
-    return 0.5 * (part[:, lo] + part[:, hi])
+    part = np.sort(rows, axis=1)
+    return 0.5 * (part[:, (n - 1) // 2] + part[:, n // 2])
 
 
 def _median_sorted(ordered: list[float]) -> float:
@@ -108,7 +111,7 @@ def tail_sigma(rows: np.ndarray, median: np.ndarray, quantile: float, direction:
     z = float(ndtri(quantile))
     if z <= 0:
         return np.zeros(len(rows))
-    part = np.partition(rows, (n - 1 - k, k), axis=1)
+    part = np.sort(rows, axis=1)  # faster than a partition at two ranks (``median_rows``)
     upper, lower = (part[:, k] - median) / z, (median - part[:, n - 1 - k]) / z
     if direction == "up":
         return upper

@@ -49,7 +49,7 @@ def phase_helps(history: np.ndarray, period: int, window: int) -> bool:
         return False
     phase = np.abs(history[start:] - phase_baseline(history, period, start))
     rows = np.lib.stride_tricks.sliding_window_view(history[start - window : -1], window)
-    rolling = np.abs(history[start:] - np.median(rows, axis=1))
+    rolling = np.abs(history[start:] - median_rows(rows))
     return float(phase.mean()) <= MIN_GAIN * float(rolling.mean())
 
 
