@@ -85,3 +85,12 @@ def advance_shift(z: np.ndarray, run: int, rebase: int) -> tuple[int, int | None
         if rebase and abs(run) >= rebase:
             return run, i
     return run, None
+
+
+def at_new_level(series: np.ndarray, end: int, run: int, window: int) -> np.ndarray:
+    """``series[:end]``, whose last ``run`` points confirmed a level change, with the points before
+    them moved to the new level: by the gap between the run's median and the median of the
+    ``window`` points before it, so the rolling statistics and the recurring shape carry on."""
+    before, new = series[: max(end - run, 0)], series[max(end - run, 0) : end]
+    delta = float(np.median(new) - np.median(before[-window:])) if len(before) else 0.0
+    return np.r_[before + delta, new]

@@ -9,7 +9,7 @@ import numpy as np
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
 from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
-from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, score_runs
+from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, at_new_level, score_runs
 from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
@@ -332,10 +332,7 @@ class RobustSpike(Detector):
             z = np.full(stop - done, np.nan)
             if first < len(series):
                 z[first - start :] = self._z_stretch(series, first)
-            # Warm-up points (the first ones, z NaN) score 0. From halfway through the warm-up
-            # each is taught to the tail model, against the points before it: a routine deviation
-            # seen while warming up (a loader hiccup every 23 steps, first at step 22) is then no
-            # one-in-a-million point when it recurs just after the warm-up.
+            # Warm-up points (z NaN) score 0; from ``_teach_from`` on, their z teaches the tail model.
             warm = max(first - start, 0)
             teach = max(start, self._teach_from)
             if teach < min(first, len(series)):
@@ -377,17 +374,11 @@ class RobustSpike(Detector):
                 self.seen += stop - done
                 done = stop
             else:
-                # The level changed: move the past to the new level (the median of the points
-                # since the change began, against the median of the window before them), so the
-                # rolling statistics and the recurring shape carry on from there.
+                # The level changed. The run's points come from the series: those before this call
+                # are in the history (a run that began in an earlier batch moves as one that began here).
                 upto = done + rebased + 1
-                run = abs(self.run)
-                # The run's points, from the series: those before this call are in the history (a
-                # run that began in an earlier batch moves as one that began in this one).
-                end = start + upto - done
-                before, new = series[: max(end - run, 0)], series[max(end - run, 0) : end]
-                delta = float(np.median(new) - np.median(before[-self.window :])) if len(before) else 0.0
-                self.history = np.r_[before + delta, new][-self.span :].tolist()
+                moved = at_new_level(series, start + upto - done, abs(self.run), self.window)
+                self.history = moved[-self.span :].tolist()
                 self.seen += upto - done
                 self.run, done = 0, upto
             self._look_for_period()
