@@ -36,8 +36,7 @@ def median_rows(rows: np.ndarray) -> np.ndarray:
     """The median of each row: ``np.median(rows, axis=1)`` without its per-call overhead, bit for bit.
 
     A full sort, not ``np.partition``: numpy sorts float rows with SIMD, and a partition at two
-    ranks took 3-7 times as long as the sort at the widths detectors use (a 128 x 64 window: 108
-    against 18 us; 900 x 64: 735 against 97 us)."""
+    ranks took several times as long at the widths detectors use (docs/performance.md)."""
     n = rows.shape[1]
     part = np.sort(rows, axis=1)
     return 0.5 * (part[:, (n - 1) // 2] + part[:, n // 2])
