@@ -4,12 +4,13 @@ One cluster and one worker for the module; each test isolates itself with its ow
 the cluster whole again. Workers run with a 6 s session timeout, the least Kafka accepts, so a
 partition whose worker is gone moves in seconds rather than Faust's default minute.
 
-A failed test here is run once more (``flaky``, pytest-rerunfailures; the summary counts reruns).
-Not because loss is tolerated: a rank's windows that never rolled up after a worker was killed,
-with no fetch-watch warning, came from Faust committing over an unacknowledged record (faust#606)
-and handing a partition's records over out of order, both fixed in ``stream_processors/consumer.py``
-on 2026-12-04 (docs/operations.md has the runs). The rerun stays for a slow machine's timeouts until
-full-suite runs have shown that loss gone. A second failure in a row fails the suite.
+A failed test here is run once more (``flaky``, pytest-rerunfailures; the summary counts reruns),
+for a slow machine's timeouts. Not because loss is tolerated: three causes of a rank's windows
+never rolling up after a worker was killed or joined were found by tracing and fixed (Faust
+committing over an unacknowledged record, faust#606, and handing a partition's records over out of
+order, both in ``stream_processors/consumer.py``; Faust emptying the streams' queues when recovery
+ends, in ``stream_processors/app.py``). docs/operations.md has the runs. A second failure in a row
+fails the suite.
 """
 
 from __future__ import annotations
