@@ -9,8 +9,9 @@ for a slow machine's timeouts. Not because loss is tolerated: three causes of a 
 never rolling up after a worker was killed or joined were found by tracing and fixed (Faust
 committing over an unacknowledged record, faust#606, and handing a partition's records over out of
 order, both in ``stream_processors/consumer.py``; Faust emptying the streams' queues when recovery
-ends, in ``stream_processors/app.py``). docs/operations.md has the runs. A second failure in a row
-fails the suite.
+ends, in ``stream_processors/app.py``). A fourth, at the two-worker test's start-up rebalance (the
+first windows of two ranks), is not found yet; docs/operations.md has the runs. A second failure
+in a row fails the suite.
 """
 
 from __future__ import annotations
