@@ -4,14 +4,14 @@ One cluster and one worker for the module; each test isolates itself with its ow
 the cluster whole again. Workers run with a 6 s session timeout, the least Kafka accepts, so a
 partition whose worker is gone moves in seconds rather than Faust's default minute.
 
-A failed test here is run once more (``flaky``, pytest-rerunfailures; the summary counts reruns),
-for a slow machine's timeouts. Not because loss is tolerated: three causes of a rank's windows
+A failed test here is run once more (``flaky``, pytest-rerunfailures; the summary counts reruns):
+for a slow machine's timeouts, and for one loss not found yet. Three causes of a rank's windows
 never rolling up after a worker was killed or joined were found by tracing and fixed (Faust
 committing over an unacknowledged record, faust#606, and handing a partition's records over out of
 order, both in ``stream_processors/consumer.py``; Faust emptying the streams' queues when recovery
 ends, in ``stream_processors/app.py``). A fourth, at the two-worker test's start-up rebalance (the
-first windows of two ranks), is not found yet; docs/operations.md has the runs. A second failure
-in a row fails the suite.
+first windows of two ranks), is still open; docs/operations.md has the runs. A second failure in a
+row fails the suite.
 """
 
 from __future__ import annotations
