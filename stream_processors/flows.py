@@ -11,10 +11,11 @@ import faust
 from rankwatch import contract
 from rankwatch.contract import ProgressBatch, RankSignal, TelemetryBatch, UrgentTelemetry, decode_run_event
 from rankwatch.settings import Settings
+from rankwatch.stream_processors.alert_sender import AlertSender, AlertSenderClosed, Paging
 from rankwatch.stream_processors.batching import process_in_parts
 from rankwatch.stream_processors.clocks import LagWatch, OutageClock
 from rankwatch.stream_processors.grouping import Grouper, GroupsStateError, RunGroups
-from rankwatch.stream_processors.lane import LaneMarks, LaneReader
+from rankwatch.stream_processors.lane import LanePager, LaneReader
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher, WatchStateError, tick_mark
@@ -41,6 +42,15 @@ async def _each(items):
         yield item
 
 
+def _progress(grouper: Grouper, state: RunGroups, observed: list, now: float) -> list:
+    """Stage 1's progress of each rank and the cross-rank alerts it brought, applied in order."""
+    due = []
+    for p, found in observed:
+        due += grouper.progress(state, p.rank, p.last_step, p.world_size, now)
+        due += grouper.add_all(state, [RankSignal(alert=alert, world_size=p.world_size) for alert in found], now)
+    return due
+
+
 def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> None:
     telemetry = raw_topic(app, contract.TELEMETRY)
     alerts = raw_topic(app, contract.ALERTS)
@@ -58,6 +68,12 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     processor = TelemetryProcessor(rollup_steps=settings.rollup_steps, rules=rules)
     grouper = Grouper(group_wait_s=rules.group_wait_s)
     waiting: set[bytes] = set()  # runs with groups inside their wait, on partitions this worker owns
+    # Stage 2's alerts go out in the order decided, from the loop and from the lane's thread (``alert_sender``).
+    sender = AlertSender(settings.bootstrap, settings.security.kafka_python())
+    paging = Paging(sender, encoded)
+    pager = LanePager(  # the lane's pages, on its reader's thread; ``read_lane`` connects it to the loop
+        rules=rules, grouper=grouper, paging=paging, ready=lambda: not (app.rebalancing or app.in_recovery),
+        groups_of=lambda key: state if isinstance(state := run_state.data.get(key), RunGroups) else None)
     watcher = RunWatcher(rules=rules, outages=outages)  # stopped while the broker is away or the worker behind
     # Per run: cross-rank rows and stall clocks, keyed and partitioned like run-state, so the worker
     # that gets a run's partition next (a rebalance, a crash) recovers them from the changelog instead
@@ -129,23 +145,24 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             await write_due_states()
             processed(events, time.time())
 
-    marks = LaneMarks()  # which of the lane's two readers applies each record
-
-    def group_urgent(batch: UrgentTelemetry, partition: int):
-        """The lane's signals grouped on the run's partition: what to send, and the run's state to
-        write after it (None: not co-partitioned with run events, a topic made by hand with another
-        count, so the signals go to the run's owner, in order with the run's other events)."""
+    async def apply_urgent(batch: UrgentTelemetry, partition: int) -> None:
+        """The lane's signals grouped on the run's partition, on the loop."""
         key, now = batch.run.encode(), time.time()
         signals = urgent_signals(rules, batch, now)
         if partition != run_state.partition_of(key):
-            return encoded(*signals), key, None
+            # Not co-partitioned with run events (a topic made by hand with another count): the
+            # signals go to the run's owner, in order with the run's other events.
+            await send_all(out_topics, encoded(*signals))
+            return
         state = run_groups(key)
-        return encoded(*(a for signal in signals for a in grouper.add(state, signal, now))), key, state
+        pager.partitions[key] = partition  # the lane's thread pages this run from now on
+        await sent(paging.decide(grouper.add_all, state, signals, now))
+        keep(key, state)
 
-    async def send_urgent(messages, key: bytes, state: RunGroups | None) -> None:
-        await send_all(out_topics, messages)
-        if state is not None:
-            run_state[key] = state  # after its alerts are in, as in stage 2
+    def keep(key: bytes, state: RunGroups) -> None:
+        """A run's groups, once their alerts are in: to the changelog, and to the flush timer if a group waits."""
+        with paging.lock:
+            run_state[key] = state
             if state.waiting():
                 waiting.add(key)
 
@@ -155,25 +172,37 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
         # partition, it would wait for the telemetry backlog it exists to skip. ``read_lane`` gets
         # most records first; this agent applies the rest and is the one that commits.
         async for event, batch in decoded(stream.events(), UrgentTelemetry.from_bytes, dead_letter, "urgent telemetry"):
-            if not marks.by_agent(event.message.partition, event.message.offset):
+            with paging.lock:
+                mine = pager.marks.by_agent(event.message.partition, event.message.offset)
+            if not mine:
                 continue
             try:
-                out = group_urgent(batch, event.message.partition)
+                await apply_urgent(batch, event.message.partition)
+            except AlertSenderClosed:
+                raise  # the worker is stopping: the record stays unacknowledged
             except Exception as exc:  # a bug must not stop the worker; the message is kept
                 log.exception("urgent %s[%d]@%d failed", event.message.topic, event.message.partition,
                               event.message.offset)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
-                continue
-            await send_urgent(*out)
 
     @app.task
     async def read_lane():
         # The lane from a consumer of its own (``lane.py``): Faust's consumer would hand its records
         # out behind the telemetry fetched beside them.
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        reader = LaneReader(settings.bootstrap, contract.URGENT,
-                            lambda *record: loop.call_soon_threadsafe(queue.put_nowait, record),
-                            settings.security.kafka_python())
+
+        def kept(key: bytes, state: RunGroups, out) -> None:  # on the reader's thread
+            def done(future) -> None:
+                if future is None or future.exception() is None:  # else the worker is stopping: stage 1 pages it
+                    keep(key, state)
+            if out is None:
+                loop.call_soon_threadsafe(done, None)
+            else:
+                out.add_done_callback(lambda future: loop.call_soon_threadsafe(done, future))
+
+        pager.connect(lambda *record: loop.call_soon_threadsafe(queue.put_nowait, record), kept)
+        reader = LaneReader(settings.bootstrap, contract.URGENT, pager.deliver, settings.security.kafka_python(),
+                            tick=pager.tick)
         reader.start()
         try:
             while True:
@@ -189,35 +218,42 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                     batch = UrgentTelemetry.from_bytes(value)
                 except Exception:  # noqa: BLE001 (the agent dead-letters it, with why)
                     continue
-                if not marks.by_reader(partition, offset):
+                with paging.lock:
+                    mine = pager.marks.by_reader(partition, offset)
+                if not mine:
                     continue
                 try:
-                    out = group_urgent(batch, partition)
+                    await apply_urgent(batch, partition)
+                except AlertSenderClosed:
+                    raise  # the worker is stopping
                 except Exception:  # noqa: BLE001 (the agent applies it again, and dead-letters it if it fails there)
                     log.exception("urgent %s[%d]@%d failed on the lane's own reader", contract.URGENT, partition, offset)
-                    marks.release(partition, offset)
-                    continue
-                await send_urgent(*out)
+                    with paging.lock:
+                        pager.marks.release(partition, offset)
         finally:
             await loop.run_in_executor(None, reader.stop)
+            await loop.run_in_executor(None, sender.close)
 
     @app.timer(interval=0.5)
     async def write_rank_states():  # a quiet stream must not hold its acks
         await write_due_states()
 
-    async def publish(alerts_due) -> None:
-        await send_all(out_topics, encoded(*alerts_due))
+    async def sent(out) -> None:
+        """Wait for the alerts of a decision (``Paging.decide``) to be in."""
+        if out is not None:
+            await asyncio.wrap_future(out)
 
     def run_groups(key: bytes) -> RunGroups:
-        state = run_state.get(key)
-        if not isinstance(state, RunGroups):  # first sight, or recovered from the changelog as a dict
-            try:
-                state = RunGroups.from_dict(state)
-            except GroupsStateError as exc:  # never misread; a firing group then resolves unseen
-                log.error("run %s: %s; its alert groups start over", key.decode(errors="replace"), exc)
-                state = RunGroups()
-            run_state[key] = state  # the memory store keeps this object; progress lives on it
-        return state
+        with paging.lock:
+            state = run_state.get(key)
+            if not isinstance(state, RunGroups):  # first sight, or recovered from the changelog as a dict
+                try:
+                    state = RunGroups.from_dict(state)
+                except GroupsStateError as exc:  # never misread; a firing group then resolves unseen
+                    log.error("run %s: %s; its alert groups start over", key.decode(errors="replace"), exc)
+                    state = RunGroups()
+                run_state[key] = state  # the memory store keeps this object; progress lives on it
+            return state
 
     @app.agent(run_events, name="run-events")
     async def group_signals(stream):
@@ -233,28 +269,28 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             watch = None
             try:
                 state, now = run_groups(item.key), time.time()
+                pager.partitions[item.key] = event.message.partition  # the lane's, co-partitioned
                 if isinstance(item, RankSignal):
-                    due = grouper.add(state, item, now)
+                    out = paging.decide(grouper.add, state, item, now)
                 else:
-                    due = []
                     watch = load_watch(watches.get(item.key), item.run, event.message.partition)
-                    for p in item.items if isinstance(item, ProgressBatch) else (item,):
-                        due += grouper.progress(state, p.rank, p.last_step, p.world_size, now)
-                        for alert in watcher.observe(watch, p, now):
-                            due += grouper.add(state, RankSignal(alert=alert, world_size=p.world_size), now)
-                messages = encoded(*due)
+                    # Cross-rank rows outside the lock, which the lane's thread may be waiting for.
+                    observed = [(p, watcher.observe(watch, p, now))
+                                for p in (item.items if isinstance(item, ProgressBatch) else (item,))]
+                    out = paging.decide(_progress, grouper, state, observed, now)
             except Exception as exc:  # a bug must not stop the worker; the message is kept
                 log.exception("grouping run event %s[%d]@%d failed", event.message.topic, event.message.partition,
                               event.message.offset)
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
                 return {}
-            await send_all(out_topics, messages)
-            if due or isinstance(item, RankSignal):
-                # After the alerts are in: a worker killed in between sends them again on replay
-                # (at least once), never loses them.
-                run_state[item.key] = state
-            if state.waiting():
-                waiting.add(item.key)
+            await sent(out)
+            with paging.lock:
+                if out is not None or isinstance(item, RankSignal):
+                    # After the alerts are in: a worker killed in between sends them again on replay
+                    # (at least once), never loses them.
+                    run_state[item.key] = state
+                if state.waiting():
+                    waiting.add(item.key)
             return {} if watch is None else {item.key: watch}  # written after its alerts are in, like run_state
         return {}  # dead-lettered
 
@@ -263,12 +299,13 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
         now = time.time()
         for key in list(waiting):
             state = run_groups(key)
-            due = grouper.tick(state, now)
-            if due:
-                await publish(due)
-                run_state[key] = state
-            if not state.waiting():
-                waiting.discard(key)
+            out = paging.decide(grouper.tick, state, now)
+            await sent(out)
+            with paging.lock:
+                if out is not None:
+                    run_state[key] = state
+                if not state.waiting():
+                    waiting.discard(key)
 
     def owned(topic: str) -> set[int]:
         return {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == topic}
@@ -308,16 +345,14 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             alerts = watcher.tick(watch, now)
             if alerts:
                 state = run_groups(key)
-                due = [a for alert in alerts
-                       for a in grouper.add(state, RankSignal(alert=alert, world_size=watch.world_size), now)]
-                await publish(due)
-                run_state[key] = state
-                if state.waiting():
-                    waiting.add(key)
+                signals = [RankSignal(alert=alert, world_size=watch.world_size) for alert in alerts]
+                await sent(paging.decide(grouper.add_all, state, signals, now))
+                keep(key, state)
             if alerts or watch is not raw or tick_mark(watch) != before:
                 watches.add([], {key: watch})  # after its alerts are in
-            if run_groups(key).waiting():  # a group recovered mid-wait: its run may send nothing more
-                waiting.add(key)
+            with paging.lock:
+                if run_groups(key).waiting():  # a group recovered mid-wait: its run may send nothing more
+                    waiting.add(key)
 
     if settings.state_ttl_s:
         @app.timer(interval=min(60.0, settings.state_ttl_s / 4))
@@ -328,12 +363,15 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             ranks, runs = owned(contract.TELEMETRY), owned(contract.RUN_EVENTS)
             unwritten.expire(now, ttl, lambda key: rank_state.partition_of(key) in ranks)
             for key in watches.expire(now, ttl, lambda key: run_watch.partition_of(key) in runs):
-                waiting.discard(key)
-                if key in run_state:  # the run's groups and pages go with its watch
-                    del run_state[key]
+                pager.forget(runs=[key])
+                with paging.lock:
+                    waiting.discard(key)
+                    if key in run_state:  # the run's groups and pages go with its watch
+                        del run_state[key]
 
     @app.on_partitions_revoked.connect
     async def forget_waiting(sender, revoked, **kwargs):
         # Memory only; the new owners find waiting groups again when they tick the runs they got.
-        waiting.clear()
-        marks.forget({tp.partition for tp in revoked if tp.topic == contract.URGENT})
+        with paging.lock:
+            waiting.clear()
+        pager.forget(partitions={tp.partition for tp in revoked if tp.topic == contract.URGENT}, everything=True)

@@ -142,6 +142,9 @@ class Grouper:
         state.groups[gkey] = Group(last_seen=group.last_seen)
         return out
 
+    def add_all(self, state: RunGroups, signals: list[RankSignal], now: float) -> list[Alert]:
+        return [alert for signal in signals for alert in self.add(state, signal, now)]
+
     def progress(self, state: RunGroups, rank: int, step: int, world_size: int, now: float) -> list[Alert]:
         """Stage 1 applied ``rank``'s telemetry up to ``step``; return groups this makes due."""
         state.world_size = max(state.world_size, world_size)
@@ -169,6 +172,12 @@ class Grouper:
             if group.pending_since is not None and now - group.pending_since >= wait:
                 out += self._flush(state, gkey, group, now)
         return out
+
+    def due_in(self, state: RunGroups, now: float) -> float | None:
+        """Seconds until ``tick`` has something to send (0 if now), None if no group waits."""
+        dues = [g.pending_since + (self.urgent_wait_s if g.urgent else self.group_wait_s)
+                for g in state.groups.values() if g.pending_since is not None]
+        return max(0.0, min(dues) - now) if dues else None
 
     def _flush(self, state: RunGroups, gkey: str, group: Group, now: float) -> list[Alert]:
         group.pending_since, group.urgent = None, False
