@@ -159,12 +159,16 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
         await sent(paging.decide(grouper.add_all, state, signals, now))
         keep(key, state)
 
-    def keep(key: bytes, state: RunGroups) -> None:
-        """A run's groups, once their alerts are in: to the changelog, and to the flush timer if a group waits."""
+    def keep(key: bytes, state: RunGroups, write: bool = True) -> None:
+        """A run's groups, once their alerts are in: to the changelog (``write``: they changed), and to
+        the flush timer while a group waits."""
         with paging.lock:
-            run_state[key] = state
+            if write:
+                run_state[key] = state
             if state.waiting():
                 waiting.add(key)
+            else:
+                waiting.discard(key)
 
     @app.agent(raw_topic(app, contract.URGENT), name="urgent")
     async def process_urgent(stream):
@@ -284,13 +288,9 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                 await dead_letter(event, f"processing failed: {type(exc).__name__}: {exc}")
                 return {}
             await sent(out)
-            with paging.lock:
-                if out is not None or isinstance(item, RankSignal):
-                    # After the alerts are in: a worker killed in between sends them again on replay
-                    # (at least once), never loses them.
-                    run_state[item.key] = state
-                if state.waiting():
-                    waiting.add(item.key)
+            # After the alerts are in: a worker killed in between sends them again on replay (at
+            # least once), never loses them.
+            keep(item.key, state, write=out is not None or isinstance(item, RankSignal))
             return {} if watch is None else {item.key: watch}  # written after its alerts are in, like run_state
         return {}  # dead-lettered
 
@@ -301,11 +301,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             state = run_groups(key)
             out = paging.decide(grouper.tick, state, now)
             await sent(out)
-            with paging.lock:
-                if out is not None:
-                    run_state[key] = state
-                if not state.waiting():
-                    waiting.discard(key)
+            keep(key, state, write=out is not None)
 
     def owned(topic: str) -> set[int]:
         return {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == topic}
@@ -350,9 +346,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                 keep(key, state)
             if alerts or watch is not raw or tick_mark(watch) != before:
                 watches.add([], {key: watch})  # after its alerts are in
-            with paging.lock:
-                if run_groups(key).waiting():  # a group recovered mid-wait: its run may send nothing more
-                    waiting.add(key)
+            keep(key, run_groups(key), write=False)  # a group recovered mid-wait: its run may send nothing more
 
     if settings.state_ttl_s:
         @app.timer(interval=min(60.0, settings.state_ttl_s / 4))
