@@ -21,16 +21,18 @@ stamped by its rank (so 1 s or so when it keeps up at 1 Hz). At the end, a summa
 first row after ``--warmup-min`` to the last while the ranks publish, the largest lag over those rows,
 how long after the last tick the worker had applied every rank's final message (its backlog then),
 how many it applied (all, or some were dropped), and every alert on the run (all false: the ranks
-are quiet). Asserts nothing.
+are quiet). Ctrl-C or SIGTERM stops it early with the summary of the rows so far. Asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import platform
+import signal
 import threading
 import time
 from pathlib import Path
@@ -131,62 +133,78 @@ def soak(args) -> dict:
             target=_publish, daemon=True,
             args=(stack.bootstrap, run, args.ranks, args.metrics, ticks, args.format == "binary", started))
         publisher.start()
-        pids = [w.proc.pid for w in stack.workers]
-        # What else takes the machine: when the lag grows, whether the workers or the host ran out.
-        others = {"broker": stack.broker.pid, "publisher": publisher.pid}
-        cpu_before = sum(_proc_stat(pid)[1] for pid in pids)
-        others_before = {name: _proc_stat(pid)[1] for name, pid in others.items()}
-        host_before = _host_busy()
         print(f"{args.ranks} ranks x {args.metrics} metrics at 1 Hz for {args.minutes} min on {args.broker}, "
               f"{args.workers} worker(s), {args.partitions} partitions", flush=True)
         print("| min | sent | worker RSS MB | worker CPU % | broker CPU % | publisher CPU % | host busy % | stolen % "
               "| lag s | alerts |", flush=True)
         print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
-        drain_until = None
-        while True:
-            time.sleep(args.every_s)
-            now = time.time()
-            dead = [w for w in stack.workers if w.proc.poll() is not None]
-            if dead:  # a soak is about a running worker: say why one stopped, and stop
-                for w in dead:
-                    print(f"worker {w.index} exited with code {w.proc.returncode}; its last lines:", flush=True)
-                    print("\n".join(list(w.tail)[-40:]), flush=True)
-                raise SystemExit(1)
-            stats = [_proc_stat(pid) for pid in pids]
-            cpu = sum(c for _, c in stats)
-            publishing = publisher.is_alive()
-            row = {"min": (now - started) / 60, "sent": min(int(now - started) + 1, ticks) * args.ranks,
-                   "rss": sum(r for r, _ in stats), "cpu": 100 * (cpu - cpu_before) / args.every_s,
-                   "lag": reader.lag(now) if publishing else float("nan"), "alerts": len(reader.alerts),
-                   "publishing": publishing}
-            for name, pid in others.items():
-                try:
-                    used = _proc_stat(pid)[1]
-                except (OSError, StopIteration):  # the publisher has finished
-                    used = others_before[name]
-                row[name] = 100 * (used - others_before[name]) / args.every_s
-                others_before[name] = used
-            host = _host_busy()
-            total = max(host[2] - host_before[2], 1)
-            row["host"], row["stolen"] = 100 * (host[0] - host_before[0]) / total, 100 * (host[1] - host_before[1]) / total
-            cpu_before, host_before = cpu, host
-            rows.append(row)
-            print(f"| {row['min']:.1f} | {row['sent']:,} | {row['rss']:.0f} | {row['cpu']:.0f} | {row['broker']:.0f} "
-                  f"| {row['publisher']:.0f} | {row['host']:.0f} | {row['stolen']:.0f} | {row['lag']:.1f} | {row['alerts']} |",
-                  flush=True)
-            if not publishing and drain_until is None:
-                drain_until = now + args.drain_s  # the last messages have been sent: let the worker finish
-            if drain_until is not None and (len(reader.finals) == args.ranks or now >= drain_until):
-                break
+        try:
+            _watch(rows, args, stack, reader, publisher, started, ticks)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a long soak still says what it measured
+            print("stopped early: the summary covers the rows printed so far", flush=True)
+            publisher.terminate()
         publisher.join(10)
         reader.stop.set()
         reader.join(10)
+    if not rows:
+        raise SystemExit("stopped before the first row: nothing to sum up")
     # While the ranks publish: after the last tick every open window closes at once, a burst of its own.
     warm = [r for r in rows if r["min"] >= args.warmup_min and r["publishing"]] or rows
-    lags = [r["lag"] for r in warm if r["publishing"]]
+    lags = [r["lag"] for r in warm if r["publishing"] and not math.isnan(r["lag"])]  # nan: nothing applied yet
     return {"rows": rows, "rss_first": warm[0]["rss"], "rss_last": warm[-1]["rss"],
             "lag_max": max(lags) if lags else float("nan"), "finals": len(reader.finals), "alerts": reader.alerts,
             "behind_at_end_s": (reader.all_final_at or float("nan")) - (started + ticks - 1)}
+
+
+def _watch(rows: list[dict], args, stack: Stack, reader: RunReader, publisher, started: float, ticks: int) -> None:
+    """A row every ``--every-s`` seconds, printed and added to ``rows``, until the worker is done or gave up."""
+    pids = [w.proc.pid for w in stack.workers]
+    # What else takes the machine: when the lag grows, whether the workers or the host ran out.
+    others = {"broker": stack.broker.pid, "publisher": publisher.pid}
+    cpu_before = sum(_proc_stat(pid)[1] for pid in pids)
+    others_before = {name: _proc_stat(pid)[1] for name, pid in others.items()}
+    host_before = _host_busy()
+    drain_until = None
+    while True:
+        time.sleep(args.every_s)
+        now = time.time()
+        dead = [w for w in stack.workers if w.proc.poll() is not None]
+        if dead:  # a soak is about a running worker: say why one stopped, and stop
+            for w in dead:
+                print(f"worker {w.index} exited with code {w.proc.returncode}; its last lines:", flush=True)
+                print("\n".join(list(w.tail)[-40:]), flush=True)
+            raise SystemExit(1)
+        stats = [_proc_stat(pid) for pid in pids]
+        cpu = sum(c for _, c in stats)
+        publishing = publisher.is_alive()
+        row = {"min": (now - started) / 60, "sent": min(int(now - started) + 1, ticks) * args.ranks,
+               "rss": sum(r for r, _ in stats), "cpu": 100 * (cpu - cpu_before) / args.every_s,
+               "lag": reader.lag(now) if publishing else float("nan"), "alerts": len(reader.alerts),
+               "publishing": publishing}
+        for name, pid in others.items():
+            try:
+                used = _proc_stat(pid)[1]
+            except (OSError, StopIteration):  # the publisher has finished
+                used = others_before[name]
+            row[name] = 100 * (used - others_before[name]) / args.every_s
+            others_before[name] = used
+        host = _host_busy()
+        total = max(host[2] - host_before[2], 1)
+        row["host"], row["stolen"] = 100 * (host[0] - host_before[0]) / total, 100 * (host[1] - host_before[1]) / total
+        cpu_before, host_before = cpu, host
+        rows.append(row)
+        print(f"| {row['min']:.1f} | {row['sent']:,} | {row['rss']:.0f} | {row['cpu']:.0f} | {row['broker']:.0f} "
+              f"| {row['publisher']:.0f} | {row['host']:.0f} | {row['stolen']:.0f} | {row['lag']:.1f} | {row['alerts']} |",
+              flush=True)
+        if not publishing and drain_until is None:
+            drain_until = now + args.drain_s  # the last messages have been sent: let the worker finish
+        if drain_until is not None and (len(reader.finals) == args.ranks or now >= drain_until):
+            return
+
+
+def _interrupt(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # `timeout` signals the process and then its group: once is enough
+    raise KeyboardInterrupt
 
 
 def main() -> None:
@@ -204,6 +222,7 @@ def main() -> None:
                     help="how long to wait after the last tick for every rank's last message to be applied")
     ap.add_argument("--store", action="store_true", help="run the report store's sink as well")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _interrupt)
     out = soak(args)
     growth = 100 * (out["rss_last"] - out["rss_first"]) / out["rss_first"]
     kinds = sorted({f"{a['detector']}:{a['metric']}" for a in out["alerts"]})
