@@ -168,16 +168,21 @@ class Grouper:
         """Alerts whose group wait has passed."""
         out = []
         for gkey, group in state.groups.items():
-            wait = self.urgent_wait_s if group.urgent else self.group_wait_s
-            if group.pending_since is not None and now - group.pending_since >= wait:
+            due = self._due_at(group)
+            if due is not None and now >= due:
                 out += self._flush(state, gkey, group, now)
         return out
 
     def due_in(self, state: RunGroups, now: float) -> float | None:
         """Seconds until ``tick`` has something to send (0 if now), None if no group waits."""
-        dues = [g.pending_since + (self.urgent_wait_s if g.urgent else self.group_wait_s)
-                for g in state.groups.values() if g.pending_since is not None]
+        dues = [due for group in state.groups.values() if (due := self._due_at(group)) is not None]
         return max(0.0, min(dues) - now) if dues else None
+
+    def _due_at(self, group: Group) -> float | None:
+        """When a waiting group's wait ends (``tick`` sends it then); None if it does not wait."""
+        if group.pending_since is None:
+            return None
+        return group.pending_since + (self.urgent_wait_s if group.urgent else self.group_wait_s)
 
     def _flush(self, state: RunGroups, gkey: str, group: Group, now: float) -> list[Alert]:
         group.pending_since, group.urgent = None, False
