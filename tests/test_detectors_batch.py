@@ -147,6 +147,21 @@ def test_tail_model_update_many_is_update_in_turn(threshold, pending):
     assert (expected >= threshold).any(), "some values go beyond the threshold: the clipped path is covered"
 
 
+def test_tail_model_values_not_to_learn_are_scored_and_skipped():
+    rng = np.random.default_rng(5)
+    s = np.abs(rng.standard_t(3, 500))
+    s[rng.random(len(s)) < 0.005] = 1e6
+    learn = rng.random(len(s)) < 0.8
+    one = TailModel(prior_counts(half_normal_sf, 50.0), memory=200)
+    expected = np.array([one.update(v, 0.999) if keep else one.score(v) for v, keep in zip(s.tolist(), learn)])
+    many = TailModel(prior_counts(half_normal_sf, 50.0), memory=200)
+    got, probed = many.update_probed(s, 0.999, 4.0, learn)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(many.state()[0], one.state()[0], rtol=1e-12)
+    assert many.state()[1] == pytest.approx(one.state()[1], rel=1e-12)
+    assert probed.shape == s.shape and ((probed > 0) & (probed < 1)).all()
+
+
 def test_tail_model_scores_alike_one_value_or_many():
     model = TailModel(prior_counts(half_normal_sf, 50.0))
     s = np.r_[0.0, -1.0, np.nan, 0.3, 1.0, 2.5, 4.0, 9.0, 50.0, 1e4, 1e6, math.inf]

@@ -174,6 +174,19 @@ def test_ewma_reports_a_sawtooth_reset_three_times_then_learns_the_rhythm():
     assert np.flatnonzero(d.decide(d.update(x))).tolist() == [700, 1400, 2100]
 
 
+def test_a_spike_on_a_sawtooth_soon_after_a_reset_is_reported():
+    # Memory freed at a checkpoint every 700 steps (longer than any period looked for): each reset
+    # is a level change on a ramp. Moved by the medians, the history kept a step of half a window's
+    # rise for a window's length, and a 20-sigma spike 50 steps after a reset scored under the
+    # threshold (issue 18: the corpus's memory faults were missed).
+    rng = np.random.default_rng(11)
+    t = np.arange(1750)
+    x = 2000.0 + 3.0 * (t % 700) + rng.normal(0, 2.0, len(t))
+    x[1450] += 40.0
+    d = build("spike")
+    assert np.flatnonzero(d.decide(d.update(x))).tolist() == [700, 1400, 1450]
+
+
 def test_a_burst_that_no_single_point_makes_rare_enough_is_reported_within_a_few_points():
     # Ten points about 6 sigmas up with one dip among them: no point alone is one in a million,
     # and the dip keeps ``rebase`` from confirming a new level; a few far points in a row are that

@@ -221,15 +221,19 @@ class TailModel:
         """``update(v, threshold)`` for each ``v`` of ``s`` in order; returns the scores."""
         return self.update_probed(s, threshold, 0.0)[0]
 
-    def update_probed(self, s: np.ndarray, threshold: float, probe: float) -> tuple[np.ndarray, np.ndarray]:
+    def update_probed(self, s: np.ndarray, threshold: float, probe: float,
+                      learn: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``update_many``, and the survival of ``probe`` under the model that scored each value
-        (what ``survival(probe)`` said just before the value was learned).
+        (what ``survival(probe)`` said just before the value was learned). Where ``learn`` is False
+        a value is scored, not learned.
 
         Optimistic: every refit of the batch is fitted at once, assuming no value reaches the
         threshold (on clean data one in a million does). From the first block that holds one, the
         batch is taken again with that block learned clipped, as ``update`` learns it.
         """
         s = np.asarray(s, dtype=np.float64)
+        if learn is not None and not learn.all():
+            return self._update_some(s, threshold, probe, learn)
         scores = np.empty(len(s))
         probed = np.empty(len(s))
         done = 0
@@ -287,6 +291,18 @@ class TailModel:
             scores[done : done + hi] = got[:hi]
             probed[done : done + hi] = at[:hi]
             done += hi
+        return scores, probed
+
+    def _update_some(self, s: np.ndarray, threshold: float, probe: float,
+                     learn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``update_probed`` with some values only scored: in order, one stretch of either at a time."""
+        scores, probed = np.empty(len(s)), np.empty(len(s))
+        edges = np.flatnonzero(np.diff(learn.astype(np.int8))) + 1
+        for lo, hi in zip(np.r_[0, edges].tolist(), np.r_[edges, len(s)].tolist()):
+            if learn[lo]:
+                scores[lo:hi], probed[lo:hi] = self.update_probed(s[lo:hi], threshold, probe)
+            else:
+                scores[lo:hi], probed[lo:hi] = self.score_many(s[lo:hi]), self.survival(probe)
         return scores, probed
 
     def update(self, s: float, threshold: float) -> float:

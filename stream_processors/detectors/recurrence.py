@@ -37,13 +37,18 @@ def recurs(marks: list[int], pos: int) -> bool:
     return False
 
 
-def continuations(z: np.ndarray, last_z: float, far: float) -> np.ndarray:
-    """``z`` with each continuing far point held to ``far`` (``last_z``: the z of the point before ``z[0]``)."""
+def continuing(z: np.ndarray, last_z: float, far: float) -> np.ndarray:
+    """Which points of ``z`` continue a far point (``last_z``: the z of the point before ``z[0]``)."""
     before = np.r_[last_z, z[:-1]]
     with np.errstate(invalid="ignore"):
         again = (np.abs(z) >= far) & (np.abs(before) >= far) & (np.sign(z) == np.sign(before))
         again &= np.abs(z) < np.abs(before) + far
-    return np.where(again, np.clip(z, -far, far), z)
+    return again
+
+
+def continuations(z: np.ndarray, last_z: float, far: float) -> np.ndarray:
+    """``z`` with each continuing far point held to ``far``."""
+    return np.where(continuing(z, last_z, far), np.clip(z, -far, far), z)
 
 
 def hold_recurrences(

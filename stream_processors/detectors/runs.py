@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from rankwatch.stream_processors.detectors.scoring import directed
+from rankwatch.stream_processors.detectors.seasonal import line_slope, local_line
 
 #: A point this many robust sigmas off, in the same direction as the ones before it, counts
 #: towards a level change (``rebase``).
@@ -87,10 +88,26 @@ def advance_shift(z: np.ndarray, run: int, rebase: int) -> tuple[int, int | None
     return run, None
 
 
-def at_new_level(series: np.ndarray, end: int, run: int, window: int) -> np.ndarray:
+def at_new_level(series: np.ndarray, end: int, run: int, window: int, line: bool = False) -> np.ndarray:
     """``series[:end]``, whose last ``run`` points confirmed a level change, with the points before
     them moved to the new level: by the gap between the run's median and the median of the
-    ``window`` points before it, so the rolling statistics and the recurring shape carry on."""
+    ``window`` points before it, so the rolling statistics and the recurring shape carry on.
+
+    With ``line`` (a trending series, judged against its window's line) and a run that climbs at
+    about the window's slope (within half of it), by the gap between where the run lies along that
+    slope and where the window's line put its first point: a sawtooth that resets (memory freed at
+    a checkpoint) then continues the same ramp, where moving it by the medians left a step of half
+    a window's rise in the history, which widened every later window's spread until the step left
+    it. A run that does not continue the slope (a daily cycle turning, which the line overshoots)
+    moves by the medians."""
     before, new = series[: max(end - run, 0)], series[max(end - run, 0) : end]
-    delta = float(np.median(new) - np.median(before[-window:])) if len(before) else 0.0
+    if not len(before):
+        return series[:end].copy()
+    rows = before[None, -window:]
+    slope = float(line_slope(rows)[0]) if line and len(before) >= window and len(new) >= 4 else 0.0
+    if slope and abs(float(line_slope(new[None])[0]) - slope) <= 0.5 * abs(slope):
+        predicted, _ = local_line(rows)
+        delta = float(np.median(new - slope * np.arange(len(new))) - predicted[0])
+    else:
+        delta = float(np.median(new) - np.median(before[-window:]))
     return np.r_[before + delta, new]

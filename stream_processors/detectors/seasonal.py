@@ -94,6 +94,13 @@ def detect_period(history: np.ndarray, window: int, max_period: int) -> int:
     return best
 
 
+def line_slope(rows: np.ndarray) -> np.ndarray:
+    """Each row's slope per point: the gap between the medians of its halves over the distance between them."""
+    n = rows.shape[1]
+    half = n // 2
+    return (median_rows(rows[:, n - half :]) - median_rows(rows[:, :half])) / (n - half)
+
+
 def local_line(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each row of a window: the line's value one point past its end, and the row around its line.
 
@@ -101,8 +108,7 @@ def local_line(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     them: robust to a burst in either half, and in closed form (a Theil-Sen slope is O(window^2)).
     """
     n = rows.shape[1]
-    half = n // 2
-    slope = (median_rows(rows[:, n - half :]) - median_rows(rows[:, :half])) / (n - half)
+    slope = line_slope(rows)
     t = np.arange(n) - 0.5 * (n - 1)
     detrended = rows - slope[:, None] * t
     level = median_rows(detrended)

@@ -8,7 +8,7 @@ import numpy as np
 
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
-from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
+from rankwatch.stream_processors.detectors.recurrence import MARKS, continuing, hold_recurrences
 from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, at_new_level, score_runs
 from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
 from rankwatch.stream_processors.detectors.scoring import (
@@ -61,7 +61,8 @@ class RobustSpike(Detector):
 
     After ``rebase`` consecutive points more than 4 sigmas off on the same side, the level has
     changed: the history is moved to the new level (by the gap between the medians before and
-    after), so a persistent shift is reported once, at its start, instead of firing until the
+    after, or, on a trending series whose new points climb at its slope, between its line and
+    theirs: a sawtooth's reset), so a persistent shift is reported once, at its start, instead of firing until the
     median catches up, and the recurring shape learned before it is kept. The point that confirms
     the change scores ``1 - P(|z| >= 4) ** rebase``: a shift of 4 to 8 sigmas that no single
     point makes rare enough is reported there, ``rebase - 1`` points after it began. ``min_scale`` floors the
@@ -142,7 +143,7 @@ class RobustSpike(Detector):
         self.marks = [int(m) for m in marks][-MARKS:]
         self.last_alarm, self.held = int(last_alarm), bool(held)
         self.trending = bool(trending)  # without a period: judged against the window's line
-        self.last_z = float(last_z)  # the last learned point's z (``recurrence.continuations``)
+        self.last_z = float(last_z)  # the last learned point's z (``recurrence.continuing``)
         # Far points seen, how many followed a far point, and P(far | far) for the run in progress
         # (``runs.score_runs``).
         self.pairs = [float(v) for v in pairs]
@@ -338,14 +339,18 @@ class RobustSpike(Detector):
             if teach < min(first, len(series)):
                 self.calib.update_probed(
                     directed(self._z_stretch(series[:first], teach), self.direction), self.threshold, SHIFT_Z)
-            judged = continuations(z[warm:], self.last_z, SHIFT_Z)
+            # A far point that continues one is the same episode: held, and not learned again (a
+            # sawtooth's reset, 8 far points to the rebase, taught the tail model 4-sigma points
+            # by the dozen and put its one-in-a-million point at 20-400 sigmas).
+            again = continuing(z[warm:], self.last_z, SHIFT_Z)
+            judged = np.where(again, np.clip(z[warm:], -SHIFT_Z, SHIFT_Z), z[warm:])
             carried = self.run
             self.run, shift = advance_shift(z[warm:], self.run, self.rebase)
             upto = len(z) if shift is None else warm + shift + 1
             # The tail model scores each point, then learns it (beyond the threshold only up to
             # the threshold's quantile): a deviation that recurs becomes normal, one fault does not.
             s, far_sf = self.calib.update_probed(
-                directed(judged[: upto - warm], self.direction), self.threshold, SHIFT_Z
+                directed(judged[: upto - warm], self.direction), self.threshold, SHIFT_Z, ~again[: upto - warm]
             )
             # A run that has raised an alarm already raises no second one.
             alarmed = bool(carried and self.marks and self.last_alarm >= self.seen + warm - abs(carried))
@@ -377,7 +382,7 @@ class RobustSpike(Detector):
                 # The level changed. The run's points come from the series: those before this call
                 # are in the history (a run that began in an earlier batch moves as one that began here).
                 upto = done + rebased + 1
-                moved = at_new_level(series, start + upto - done, abs(self.run), self.window)
+                moved = at_new_level(series, start + upto - done, abs(self.run), self.window, line=self.trending)
                 self.history = moved[-self.span :].tolist()
                 self.seen += upto - done
                 self.run, done = 0, upto
