@@ -105,6 +105,21 @@ def test_crossrank_persist_ignores_random_one_step_slowdowns_and_still_names_a_s
     assert np.array_equal(again.score(row), d.score(row)) and np.array_equal(again.rank_recent, d.rank_recent)
 
 
+def test_crossrank_persist_with_both_directions_needs_the_steps_on_one_side():
+    # A rank's minibatch loss far below its peers' at one step and far above at the next (seen on a
+    # clean 4-rank run at steps 27-28, issue 18) is noise; a rank that stays off on one side diverges.
+    rng = np.random.default_rng(58)
+    loss = rng.normal(2.0, 0.02, (120, 4))
+    loss[60, 0] -= 0.3
+    loss[61, 0] += 0.3
+    loss[100:, 3] += 0.3
+    d = CrossRank(persist=2)
+    named = np.argwhere(d.decide(d.update(loss)))
+    assert set(named[:, 1].tolist()) == {3} and named[0, 0] == 101
+    plain = CrossRank()  # without persistence both flips are flagged
+    assert plain.decide(plain.update(loss))[60:62, 0].all()
+
+
 # --- Stall ---------------------------------------------------------------------------------------
 
 

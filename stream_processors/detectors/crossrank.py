@@ -60,9 +60,10 @@ class CrossRank(Detector):
     one the others wait for, and with two ranks the evidence is its peer's wait growing, since its
     own did not change.
 
-    With ``persist > 1`` a rank's evidence at a step is the least of its last ``persist`` steps', so
-    a rank must stand out that many steps running: on a host that deschedules a random rank for a
-    step now and then (several ranks on few cores), such a step is as slow as a straggler's.
+    With ``persist > 1`` a rank's evidence at a step is the least of its last ``persist`` steps',
+    and none unless they all lie on one side, so a rank must stand out that many steps running: on
+    a host that deschedules a random rank for a step now and then (several ranks on few cores),
+    such a step is as slow as a straggler's.
 
     Scoring 1,024 ranks costs two medians of 1,024 values per step; up to 64 ranks, one median
     per rank of the others.
@@ -152,7 +153,8 @@ class CrossRank(Detector):
         return z
 
     def _magnitude_row(self, row: np.ndarray) -> np.ndarray:
-        """Each rank's directed |z| against its peers (0 for missing ranks and during warm-up)."""
+        """Each rank's directed |z| against its peers (0 for missing ranks and during warm-up); with
+        ``direction="both"`` it carries the sign of z, which ``_persistent`` needs."""
         magnitude = np.zeros(len(row))
         ok = np.isfinite(row)
         finite = row[ok]
@@ -160,14 +162,15 @@ class CrossRank(Detector):
             return magnitude
         centre, sigma = self._peers(finite)
         unit = np.maximum(np.maximum(sigma, max(self.spread, self.min_scale)), self.min_rel * np.abs(centre))
-        found = directed(standardise(finite, centre, unit), self.direction)
+        z = standardise(finite, centre, unit)
+        found = directed(z, self.direction)
         if len(finite) == 2:
             own = self._self_z(row)[ok]
             # A wait is caused by the other rank: evidence that this one is slow is that its peer
             # now waits longer than it used to, not that this one changed.
             evidence = -own[::-1] if self.wait else own
             found = np.minimum(found, directed(evidence, self.direction))
-        magnitude[ok] = found
+        magnitude[ok] = found * np.sign(z) if self.direction == "both" else found
         return magnitude
 
     def _peers(self, finite: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -189,17 +192,22 @@ class CrossRank(Detector):
         return centre, median_rows(np.abs(others - centre[:, None])) / MAD_TO_SIGMA
 
     def _persistent(self, magnitude: np.ndarray, commit: bool) -> np.ndarray:
-        """The evidence a rank has held for ``persist`` steps running: the least of its magnitudes
-        at this step and the ``persist - 1`` before. On a busy host a rank is descheduled for a step
-        at random, as slow then as a straggler; a straggler stays slow."""
+        """The evidence a rank has held for ``persist`` steps running, on one side: the least of its
+        magnitudes at this step and the ``persist - 1`` before, or 0 where they do not all lie on the
+        same side (``magnitude`` is signed with ``direction="both"``). On a busy host a rank is
+        descheduled for a step at random, as slow then as a straggler; a straggler stays slow. A
+        rank's minibatch loss far below its peers' at one step and far above at the next is noise; a
+        diverging rank stays on one side."""
         if self.persist == 1:
-            return magnitude
+            return np.abs(magnitude)
         recent = self.rank_recent
         if recent.shape != (self.persist - 1, len(magnitude)):
             recent = np.zeros((self.persist - 1, len(magnitude)))
         if commit:
             self.rank_recent = np.vstack([recent[1:], magnitude[None, :]])
-        return np.minimum(magnitude, recent.min(axis=0))
+        side = np.sign(magnitude)
+        one_side = (np.sign(recent) == side).all(axis=0)
+        return np.where(one_side, np.minimum(np.abs(magnitude), np.abs(recent).min(axis=0)), 0.0)
 
     def _score_row(self, row: np.ndarray, *, commit: bool = False) -> np.ndarray:
         magnitude = self._persistent(self._magnitude_row(row), commit)
