@@ -121,23 +121,25 @@ class ReportStore:
         rows = self.db.query("SELECT topic, partition, next_offset FROM offsets")
         return {(topic, partition): offset for topic, partition, offset in rows}
 
-    def write(self, records: Iterable[tuple[str, int, int, bytes]]) -> WriteResult:
-        """Store ``(topic, partition, offset, value)`` records and the offsets after them, atomically."""
+    def write(self, records: Iterable[tuple[str, int, int, bytes]], *, merge: bool = True) -> WriteResult:
+        """Store ``(topic, partition, offset, value)`` records and the offsets after them, atomically;
+        with ``merge``, and the run-wide rows of every window still waiting for them (``merge``)."""
         result, rollups, reports, alerts = WriteResult(), [], {}, {}
         positions: dict[tuple[str, int], int] = {}
         for topic, partition, offset, value in records:
             positions[(topic, partition)] = max(positions.get((topic, partition), 0), offset + 1)
             try:
-                kind = contract.decode_any(value).get("kind")
+                obj = contract.decode_any(value)
+                kind = obj.get("kind")
                 if kind == Rollup.KIND:
-                    rollups.append(Rollup.from_bytes(value))
+                    rollups.append(Rollup.from_dict(obj))
                 elif kind == EvalReport.KIND:
                     r = EvalReport.from_bytes(value)
                     known = reports.get((r.run, r.eval_id))
                     if known is None or r.revision > known.revision:
                         reports[(r.run, r.eval_id)] = r
                 elif kind == Alert.KIND:
-                    a = Alert.from_bytes(value)
+                    a = Alert.from_dict(obj)
                     alerts[(a.key, a.status, a.incident, tuple(a.ranks))] = a
                 else:
                     result.skipped += 1
@@ -155,8 +157,15 @@ class ReportStore:
                 cur.execute(sql(_upsert_run(self.db.dialect)), row)
             if positions:
                 cur.executemany(sql(UPSERT_OFFSET), [(t, p, o) for (t, p), o in positions.items()])
+            if merge:
+                store_rollups.merge_pending(cur, self.db.dialect)
         result.rollups, result.eval_reports, result.alerts = len(rollups), len(reports), len(alerts)
         return result
+
+    def merge(self) -> int:
+        """The run-wide rows of the windows whose per-rank rows changed since they were merged."""
+        with self.db.transaction() as cur:
+            return store_rollups.merge_pending(cur, self.db.dialect)
 
 
     def prune(self, before_ts: float, *, dry_run: bool = False) -> PruneResult:

@@ -3,8 +3,11 @@ merged across ranks (``rank`` = -1).
 
 A rollup sent again for the same window (a replay, or the window's final rollup after the partial
 one a closing rank sent) replaces the row: the newest emission of a window covers the most points.
-The run-wide row is recomputed from the per-rank rows of its window whenever one of them changes,
-in the same transaction: a function of what is stored, so replays leave it as it was. Every rank's
+The run-wide row is recomputed from the per-rank rows of its window (``merge_pending``): a function
+of what is stored, so replays leave it as it was. A window whose rows changed is noted in
+``pending_merges`` in the same transaction as the rows, and merged when the writer says: merged on
+every write, a window of 1,024 ranks closing at once was merged again for each poll that brought
+some of its ranks (17 polls of 2,000 rollups at 32 metrics), 18 CPU seconds every window. Every rank's
 window has the same step bounds, so the rows of one window line up; their sketches merge into the
 run-wide p50/p95/p99.
 """
@@ -30,17 +33,30 @@ def upsert_sql() -> str:
 
 
 def upsert(cur, dialect: Dialect, rollups: list[Rollup]) -> set[tuple[str, str, int]]:
-    """Upsert the batch's rollups (the last of each window wins); return the windows touched."""
+    """Upsert the batch's rollups (the last of each window wins) and note their windows for
+    ``merge_pending``; return the windows touched."""
     latest = {(r.run, r.metric, r.rank, r.start_step): r for r in rollups}
     if not latest:
         return set()
-    sql = dialect.sql(upsert_sql())
-    cur.executemany(sql, [row(r) for r in latest.values()])
+    cur.executemany(dialect.sql(upsert_sql()), [row(r) for r in latest.values()])
     touched = {(run, metric, start) for run, metric, _, start in latest}
-    merged = [m for key in sorted(touched) if (m := _merge_ranks(cur, dialect, *key)) is not None]
-    if merged:
-        cur.executemany(sql, merged)
+    cur.executemany(dialect.sql("INSERT INTO pending_merges (run, metric, start_step) VALUES (?, ?, ?) "
+                                "ON CONFLICT (run, metric, start_step) DO NOTHING"), sorted(touched))
     return touched
+
+
+def merge_pending(cur, dialect: Dialect) -> int:
+    """Recompute the run-wide row of every window noted by ``upsert``; return how many."""
+    cur.execute("SELECT run, metric, start_step FROM pending_merges ORDER BY run, metric, start_step")
+    pending = cur.fetchall()
+    if not pending:
+        return 0
+    merged = [m for key in pending if (m := _merge_ranks(cur, dialect, *key)) is not None]
+    if merged:
+        cur.executemany(dialect.sql(upsert_sql()), merged)
+    cur.executemany(dialect.sql("DELETE FROM pending_merges WHERE run = ? AND metric = ? AND start_step = ?"),
+                    pending)
+    return len(pending)
 
 
 def row(r: Rollup) -> tuple:

@@ -83,7 +83,15 @@ def _v2(cur, dialect: Dialect) -> None:
     cur.execute("CREATE INDEX rollups_by_run_rank ON rollups (run, rank, metric, start_step)")
 
 
-MIGRATIONS: list[Callable] = [_v1, _v2]
+def _v3(cur, dialect: Dialect) -> None:
+    # Windows whose per-rank rows changed since their run-wide row was merged (``store_rollups``),
+    # written in the same transaction as those rows, so a restart merges what a crash left.
+    cur.execute("""CREATE TABLE pending_merges (
+        run TEXT NOT NULL, metric TEXT NOT NULL, start_step BIGINT NOT NULL,
+        PRIMARY KEY (run, metric, start_step))""")
+
+
+MIGRATIONS: list[Callable] = [_v1, _v2, _v3]
 
 
 def migrate(db) -> int:

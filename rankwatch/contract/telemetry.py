@@ -10,6 +10,7 @@ import numpy as np
 from rankwatch.contract.binary import is_binary, pack_telemetry, unpack_telemetry
 from rankwatch.contract.codec import (
     SCHEMA_VERSION,
+    check_event,
     decode_float,
     dumps,
     encode_float,
@@ -213,7 +214,12 @@ class Rollup:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Rollup:
-        obj = loads(data, cls.KIND)
+        return cls.from_dict(loads(data, cls.KIND))
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> Rollup:
+        """From the decoded JSON object (a reader that decoded it to learn its kind need not again)."""
+        check_event(obj, cls.KIND)
         floats = {"mean", "std", "min", "max", "last"}
         kwargs = _rollup_extras(obj)
         for name in cls.__dataclass_fields__:
