@@ -3,10 +3,11 @@
 A plain kafka-python consumer with manual assignment (no group: one store has one writer, and the
 embedded broker's group joins are slow). It starts each partition at the offset the store committed
 with its rows, so nothing is lost or stored twice across restarts. Each poll's records are written
-in one transaction. The run-wide rows (``store_rollups``) are merged when a poll finds nothing
-new, and at most every ``MERGE_EVERY_S`` while records keep coming: merged with every poll, the
-windows of 1,024 ranks closing together cost the store 18 CPU seconds a window on two cores shared
-with the workers, which then paged late.
+in one transaction. The run-wide rows (``store_rollups``) are merged at most every
+``MERGE_EVERY_S``, and before ``run`` returns: merged with every poll, the windows of 1,024 ranks
+closing together cost the store 20 CPU seconds a window on two cores shared with the workers, and
+merged whenever a poll found nothing new they still cost most of that, since the workers' rollups
+of a window trickle in over a second or two.
 
 A broker that lost its topics (the embedded one keeps nothing across a restart) restarts offsets at
 0: a stored position past the end is out of range, and the consumer starts that partition over
@@ -85,18 +86,15 @@ class StoreSink:
                 got = consumer.poll(timeout_ms=self.poll_ms, max_records=self.max_records)
                 records = [(r.topic, r.partition, r.offset, r.value) for batch in got.values() for r in batch]
                 if records:
-                    now = time.monotonic()
-                    merge = now >= merge_at
-                    result = self.store.write(records, merge=merge)
-                    unmerged, merge_at = (False, now + MERGE_EVERY_S) if merge else (True, merge_at)
+                    result = self.store.write(records, merge=False)
+                    unmerged = True
                     self.written += len(records)
                     if self.on_write:
                         self.on_write(result)
-                    continue
-                if unmerged:
+                if unmerged and time.monotonic() >= merge_at:
                     self.store.merge()
-                    unmerged = False
-                if not follow and caught_up(consumer, assigned):
+                    unmerged, merge_at = False, time.monotonic() + MERGE_EVERY_S
+                if not records and not follow and caught_up(consumer, assigned):
                     break
             if unmerged:
                 self.store.merge()
