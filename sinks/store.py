@@ -123,7 +123,7 @@ class ReportStore:
 
     def write(self, records: Iterable[tuple[str, int, int, bytes]], *, merge: bool = True) -> WriteResult:
         """Store ``(topic, partition, offset, value)`` records and the offsets after them, atomically;
-        with ``merge``, and the run-wide rows of every window still waiting for them (``merge``)."""
+        with ``merge``, also the run-wide row of every window waiting for one (see ``merge``)."""
         result, rollups, reports, alerts = WriteResult(), [], {}, {}
         positions: dict[tuple[str, int], int] = {}
         for topic, partition, offset, value in records:

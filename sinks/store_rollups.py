@@ -7,7 +7,7 @@ The run-wide row is recomputed from the per-rank rows of its window (``merge_pen
 of what is stored, so replays leave it as it was. A window whose rows changed is noted in
 ``pending_merges`` in the same transaction as the rows, and merged when the writer says: merged on
 every write, a window of 1,024 ranks closing at once was merged again for each poll that brought
-some of its ranks (17 polls of 2,000 rollups at 32 metrics), 18 CPU seconds every window. Every rank's
+some of its ranks (17 polls of 2,000 rollups at 32 metrics), about 20 CPU seconds every window. Every rank's
 window has the same step bounds, so the rows of one window line up; their sketches merge into the
 run-wide p50/p95/p99.
 """

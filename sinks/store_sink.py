@@ -34,7 +34,7 @@ from rankwatch.sinks.store import ReportStore, WriteResult
 log = logging.getLogger(__name__)
 
 TOPICS = (contract.REPORTS, contract.ALERTS)
-#: Longest a run-wide row waits behind its ranks' rows while the sink is busy.
+#: Longest a run-wide row waits behind its ranks' rows (plus one poll).
 MERGE_EVERY_S = 2.0
 
 
