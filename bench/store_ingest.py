@@ -3,9 +3,8 @@
 At 1 Hz every rank of a run closes its window at the same step, so the sink reads N ranks x M metrics
 rollups in a burst, ``max_records`` a poll. Each poll's rows are written in one transaction; the
 run-wide row of each window (its ranks merged: moments and t-digests) is recomputed either with every
-write ("every poll", what the store did before) or once the burst is read, as the sink now does
-(``StoreSink``: when a poll finds nothing new, and at most every ``MERGE_EVERY_S`` while it keeps
-reading). Rollups carry a 50-point sketch, as the workers send them; SQLite in a temporary directory.
+write ("every poll", what the store did before) or once the burst is read, as the sink now does at
+most every ``MERGE_EVERY_S`` (2 s; a burst is read in less). Rollups carry a 50-point sketch, as the workers send them; SQLite in a temporary directory.
 Prints a table; asserts nothing.
 
     python bench/store_ingest.py --ranks 128 1024 --metrics 32
@@ -14,6 +13,7 @@ Prints a table; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import tempfile
 import time
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll", type=int, default=2000, help="records per poll (the sink's max_records)")
     args = parser.parse_args(argv)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, "
-          f"{len(__import__('os').sched_getaffinity(0))} CPUs; one window of every rank and metric, "
+          f"{len(os.sched_getaffinity(0))} CPUs; one window of every rank and metric, "
           f"{args.metrics} metrics, polls of {args.poll}, SQLite")
     print("| ranks | rollups | merged | CPU s, merged every poll | CPU s, merged once read | wall s, every poll | wall s, once |")
     print("|---|---|---|---|---|---|---|")

@@ -244,8 +244,8 @@ def test_a_complete_window_supersedes_the_partial_one_a_closing_rank_sent(store)
 
 def test_a_write_without_merging_leaves_the_run_wide_row_to_a_later_merge_even_across_a_restart(store, tmp_path,
                                                                                                request):
-    # The sink merges run-wide rows at most every few seconds while it is behind: a window of 1,024
-    # ranks, merged again for every poll that brought some of its ranks, cost 18 CPU s (issue 16).
+    # The sink merges run-wide rows at most every 2 s: a window of 1,024 ranks, merged again for
+    # every poll that brought some of its ranks, cost about 20 CPU s (issue 16).
     store.write(records(_window_rollup("r1", 0, [1.0, 2.0]), _window_rollup("r1", 1, [5.0])), merge=False)
     assert [r["rank"] for r in Queries(store.db).rollups("r1")] == [0, 1]
     if store.db.dialect.name == "sqlite":  # what a crash leaves is merged by the next process

@@ -121,7 +121,8 @@ class EwmaResidual(Detector):
             sigma = self._sigma()
             z = standardise_one(x, self.mean, sigma)
             # A far point that continues a far point is held (``recurrence.continuations``).
-            magnitude = directed_one(float(continuations(np.array([z]), self.last_z, SHIFT_Z)[0]), self.direction)
+            held, _ = continuations(np.array([z]), self.last_z, SHIFT_Z)
+            magnitude = directed_one(float(held[0]), self.direction)
             residual = min(max(residual, -self.clip * sigma), self.clip * sigma)
             side = 0 if abs(z) < SHIFT_Z else (1 if z > 0 else -1)
             self.run = self.run + side if side and self.run * side > 0 else side

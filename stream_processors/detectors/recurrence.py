@@ -37,18 +37,14 @@ def recurs(marks: list[int], pos: int) -> bool:
     return False
 
 
-def continuing(z: np.ndarray, last_z: float, far: float) -> np.ndarray:
-    """Which points of ``z`` continue a far point (``last_z``: the z of the point before ``z[0]``)."""
+def continuations(z: np.ndarray, last_z: float, far: float) -> tuple[np.ndarray, np.ndarray]:
+    """``z`` with each continuing far point held to ``far``, and which points those are (``last_z``:
+    the z of the point before ``z[0]``)."""
     before = np.r_[last_z, z[:-1]]
     with np.errstate(invalid="ignore"):
         again = (np.abs(z) >= far) & (np.abs(before) >= far) & (np.sign(z) == np.sign(before))
         again &= np.abs(z) < np.abs(before) + far
-    return again
-
-
-def continuations(z: np.ndarray, last_z: float, far: float) -> np.ndarray:
-    """``z`` with each continuing far point held to ``far``."""
-    return np.where(continuing(z, last_z, far), np.clip(z, -far, far), z)
+    return np.where(again, np.clip(z, -far, far), z), again
 
 
 def hold_recurrences(

@@ -109,5 +109,5 @@ def at_new_level(series: np.ndarray, end: int, run: int, window: int, line: bool
         predicted, _ = local_line(rows)
         delta = float(np.median(new - slope * np.arange(len(new))) - predicted[0])
     else:
-        delta = float(np.median(new) - np.median(before[-window:]))
+        delta = float(np.median(new) - np.median(rows[0]))
     return np.r_[before + delta, new]

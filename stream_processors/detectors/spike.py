@@ -8,7 +8,7 @@ import numpy as np
 
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
-from rankwatch.stream_processors.detectors.recurrence import MARKS, continuing, hold_recurrences
+from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
 from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, at_new_level, score_runs
 from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
 from rankwatch.stream_processors.detectors.scoring import (
@@ -62,8 +62,8 @@ class RobustSpike(Detector):
     After ``rebase`` consecutive points more than 4 sigmas off on the same side, the level has
     changed: the history is moved to the new level (by the gap between the medians before and
     after, or, on a trending series whose new points climb at its slope, between its line and
-    theirs: a sawtooth's reset), so a persistent shift is reported once, at its start, instead of firing until the
-    median catches up, and the recurring shape learned before it is kept. The point that confirms
+    theirs: a sawtooth's reset), so a persistent shift is reported once, at its start, instead of
+    firing until the median catches up, and the recurring shape learned before it is kept. The point that confirms
     the change scores ``1 - P(|z| >= 4) ** rebase``: a shift of 4 to 8 sigmas that no single
     point makes rare enough is reported there, ``rebase - 1`` points after it began. ``min_scale`` floors the
     unit (absolutely and relative to the median), so a perfectly flat series scores 0 and its
@@ -143,7 +143,7 @@ class RobustSpike(Detector):
         self.marks = [int(m) for m in marks][-MARKS:]
         self.last_alarm, self.held = int(last_alarm), bool(held)
         self.trending = bool(trending)  # without a period: judged against the window's line
-        self.last_z = float(last_z)  # the last learned point's z (``recurrence.continuing``)
+        self.last_z = float(last_z)  # the last learned point's z (``recurrence.continuations``)
         # Far points seen, how many followed a far point, and P(far | far) for the run in progress
         # (``runs.score_runs``).
         self.pairs = [float(v) for v in pairs]
@@ -342,8 +342,7 @@ class RobustSpike(Detector):
             # A far point that continues one is the same episode: held, and not learned again (a
             # sawtooth's reset, 8 far points to the rebase, taught the tail model 4-sigma points
             # by the dozen and put its one-in-a-million point at 20-400 sigmas).
-            again = continuing(z[warm:], self.last_z, SHIFT_Z)
-            judged = np.where(again, np.clip(z[warm:], -SHIFT_Z, SHIFT_Z), z[warm:])
+            judged, again = continuations(z[warm:], self.last_z, SHIFT_Z)
             carried = self.run
             self.run, shift = advance_shift(z[warm:], self.run, self.rebase)
             upto = len(z) if shift is None else warm + shift + 1
