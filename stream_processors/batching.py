@@ -46,6 +46,7 @@ class Stage1Output:
     failed: list[tuple[int, Exception]] = field(default_factory=list)  # (index in the batch, why)
     applied: int = 0  # messages applied (replays and failures not counted)
     unreadable: list[tuple[str, RankStateError]] = field(default_factory=list)  # (key, why): learning afresh
+    late: list[tuple[str, int]] = field(default_factory=list)  # (key, seq) of messages applied late (``late``)
 
 
 def as_state(found: Any) -> RankState:
@@ -113,6 +114,8 @@ def process_in_parts(
             continue
         out.states[key] = state
         out.applied += 1
+        if result.arrived_late:
+            out.late.append((key, batch.seq))
         if signals:
             flush(batch.run)
             out.messages.extend(signals)

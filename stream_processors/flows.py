@@ -135,6 +135,10 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
                 key, exc = out.unreadable[0]
                 log.error("%d ranks' stored state could not be read, e.g. %s: %s; they keep their place in the "
                           "stream and learn afresh", len(out.unreadable), key, exc)
+            if out.late:  # a delivery out of order (``late``): rare, and worth a trace when it is not
+                key, seq = out.late[0]
+                log.warning("%d messages came after later ones of their rank, e.g. %s seq %d: rolled up late",
+                            len(out.late), key, seq)
             for index, exc in out.failed:  # a bug must not stop the worker; the message is kept
                 event = good[index][0]
                 log.error("processing %s[%d]@%d failed", event.message.topic, event.message.partition,

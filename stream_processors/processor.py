@@ -18,7 +18,7 @@ import numpy as np
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, Rollup, Series, TelemetryBatch
 from rankwatch.errors import RankwatchError
-from rankwatch.stream_processors import stored
+from rankwatch.stream_processors import late, stored
 from rankwatch.stream_processors.detectors import Detector, NonFinite
 from rankwatch.stream_processors.detectors.calibration import fit_due
 from rankwatch.stream_processors.policies import AlertPolicy, Condition, resolve_retired
@@ -44,22 +44,31 @@ class MetricState:
     # The rules ``detectors`` were last checked against (not stored): the same object as the
     # processor's plan for the metric needs no check of the detectors' names.
     rules: dict[str, Rule] | None = field(default=None, repr=False, compare=False)
+    # While a rank's messages are missing (``late``): the windows closed since, by index, and the
+    # lowest index a late point may join (below the open window: kept, or never had a point).
+    kept: dict[int, Window] = field(default_factory=dict)
+    kept_from: int | None = None
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "detectors": {name: d.state_dict() for name, d in self.detectors.items()},
             # ``Condition.to_dict`` is ``dataclasses.asdict``, whose deep copy costs more than the rest of
             # this state together; a condition's fields are plain numbers, so its ``__dict__`` is the same.
             "conditions": {name: dict(c.__dict__) for name, c in self.conditions.items()},
             "window": self.window.to_dict() if self.window else None,
         }
+        if self.kept_from is not None:  # rare, and absent is what an older worker wrote
+            d["kept_from"], d["kept"] = self.kept_from, [w.to_dict() for w in self.kept.values()]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> MetricState:
+        kept = [Window.from_dict(w) for w in d.get("kept", ())]
         return cls(
             detectors={name: detector_classes()[name].from_state(s) for name, s in d["detectors"].items()},
             conditions={name: Condition(**c) for name, c in d["conditions"].items()},
             window=Window.from_dict(d["window"]) if d["window"] else None,
+            kept={w.index: w for w in kept}, kept_from=d.get("kept_from"),
         )
 
 
@@ -68,10 +77,14 @@ class RankState:
     producer: str = ""
     seq: int = -1
     metrics: dict[str, MetricState] = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)  # seqs below ``seq`` not applied yet (``late``)
 
     def to_dict(self) -> dict:
-        return {"version": STATE_VERSION, "producer": self.producer, "seq": self.seq,
-                "metrics": {m: s.to_dict() for m, s in self.metrics.items()}}
+        d = {"version": STATE_VERSION, "producer": self.producer, "seq": self.seq,
+             "metrics": {m: s.to_dict() for m, s in self.metrics.items()}}
+        if self.missing:
+            d["missing"] = self.missing
+        return d
 
     __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
 
@@ -81,7 +94,8 @@ class RankState:
         if not d:
             return cls()
         return stored.read(
-            d, lambda f: cls(f["producer"], f["seq"], {m: MetricState.from_dict(s) for m, s in f["metrics"].items()}),
+            d, lambda f: cls(f["producer"], f["seq"], {m: MetricState.from_dict(s) for m, s in f["metrics"].items()},
+                             [int(s) for s in f.get("missing", ())]),
             version=STATE_VERSION, what="rank state", error=RankStateError)
 
     @classmethod
@@ -99,6 +113,7 @@ class Output:
     last_step: int | None = None  # the highest step in the batch; None for a replay or no points
     # values stage 2 compares across ranks: cross-rank rules' metrics, and who waits in a collective
     cross_rank: dict[str, Series] = field(default_factory=dict)
+    arrived_late: bool = False  # a message that came after later ones of its rank: rollups only (``late``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,16 +135,22 @@ class TelemetryProcessor:
     def is_replay(self, state: RankState, batch: TelemetryBatch) -> bool:
         """At-least-once delivery replays messages; a seq we already applied changes nothing.
 
-        A new ``producer`` id is a restarted rank whose numbering starts again, never a replay.
+        A new ``producer`` id is a restarted rank whose numbering starts again, never a replay; a seq
+        that a later message skipped is late (``late``), not a replay.
         """
-        return batch.producer == state.producer and batch.seq <= state.seq
+        return (batch.producer == state.producer and batch.seq <= state.seq
+                and not late.is_late(state, batch.producer, batch.seq))
 
     def process(self, state: RankState, batch: TelemetryBatch, now: float) -> Output:
         """Apply one batch to ``state`` in place; return the alerts and closed rollups it produced."""
         alerts: list[Alert] = []
         rollups: list[Rollup] = []
-        if self.is_replay(state, batch):
+        if batch.producer == state.producer and batch.seq <= state.seq:
+            if late.is_late(state, batch.producer, batch.seq):
+                return Output(alerts, self._late(state, batch, now), arrived_late=True)
             return Output(alerts, rollups)
+        if batch.seq != state.seq + 1 or batch.producer != state.producer or state.missing:
+            late.note_skipped(state, batch.producer, batch.seq)
         state.producer, state.seq = batch.producer, batch.seq
         cross: dict[str, Series] = {}
         last_step: int | None = None
@@ -145,7 +166,8 @@ class TelemetryProcessor:
                 last_step = top if last_step is None else max(last_step, top)
             ms = state.metrics.get(metric)
             if ms is None:
-                ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()}, rules=rules)
+                ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()}, rules=rules,
+                                                         kept_from=0 if state.missing else None)
             elif ms.rules is not rules:
                 if ms.detectors.keys() != rules.keys():  # the rules changed since this state was built
                     for name, detector, condition in _follow_rules(ms, rules):
@@ -187,6 +209,7 @@ class TelemetryProcessor:
             else:
                 ms.window, closed = roll(ms.window, steps, values, self.rollup_steps)
             if closed:
+                late.keep(ms, closed)
                 rollups += [
                     w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
                                 world_size=batch.world_size)
@@ -201,6 +224,20 @@ class TelemetryProcessor:
                 for metric, ms in state.metrics.items() if ms.window is not None
             ]
         return Output(alerts, rollups, last_step, cross)
+
+    def _late(self, state: RankState, batch: TelemetryBatch, now: float) -> list[Rollup]:
+        """A message that came after later ones of its rank: its points to the rollups (``late``)."""
+        resend = []
+        for metric, series in batch.series.items():
+            ms = state.metrics.get(metric)
+            if ms is None:
+                rules = self._plan(metric)[0]
+                ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()},
+                                                         rules=rules, kept_from=0)
+            resend += [(metric, w) for w in late.roll_late(ms, series.steps, series.values, self.rollup_steps)]
+        late.found(state, batch.seq)
+        return [w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
+                            world_size=batch.world_size) for metric, w in resend]
 
 
 def fit_due_models(states: Iterable[RankState]) -> None:

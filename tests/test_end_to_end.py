@@ -117,6 +117,18 @@ def test_closed_step_windows_are_rolled_up_to_reports(bootstrap, run_id):
     assert (by_start[0]["min"], by_start[0]["max"]) == (0.0, 9.0)
 
 
+def test_a_message_that_comes_after_a_later_one_is_still_rolled_up(bootstrap, run_id):
+    # What a worker sees when Faust skips a record and the partition is read again (docs/operations.md).
+    key = contract.telemetry_key(run_id, 1)
+    batches = [_batch(run_id, 1, seq, np.full(10, float(seq)), first_step=10 * seq).to_bytes() for seq in range(4)]
+    # seq 0 after seq 1, then once more as a replay; seq 3 closes window 20 after all of that.
+    _send(bootstrap, *((key, batches[seq]) for seq in (1, 0, 2, 0, 3)))
+    rollups = consume_json(bootstrap, contract.REPORTS, lambda r: r.get("run") == run_id,
+                           until=lambda found: any(r["start_step"] == 20 for r in found))
+    assert sorted((r["start_step"], r["count"], r["mean"]) for r in rollups) == [
+        (0, 10, 0.0), (10, 10, 1.0), (20, 10, 2.0)]
+
+
 def test_a_nan_on_the_urgent_lane_pages_alone_and_stage_one_only_replays_it(bootstrap, run_id):
     # Ranks 0, 2 and 3 never report, and rank 1's telemetry comes only after the page: a worker far
     # behind on telemetry. The lane's message alone must page.
