@@ -169,6 +169,9 @@ class TelemetryProcessor:
                 ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()}, rules=rules,
                                                          kept_from=0 if state.missing else None)
             elif ms.rules is not rules:
+                for name, detector in ms.detectors.items():  # a rule edited since: learn afresh with its parameters
+                    if name in rules and rules[name].params and not rules[name].fits(detector.state_dict()):
+                        ms.detectors[name] = rules[name].build()
                 if ms.detectors.keys() != rules.keys():  # the rules changed since this state was built
                     for name, detector, condition in _follow_rules(ms, rules):
                         step, value = (int(steps[0]), float(values[0])) if len(steps) else (condition.incident, math.nan)

@@ -57,6 +57,12 @@ class Rule:
     def build(self) -> Detector:
         return detectors.build(self.detector, **self.params)
 
+    def fits(self, stored: Mapping[str, Any]) -> bool:
+        """Whether a detector stored as ``stored`` (its ``state_dict``) has this rule's parameters. One
+        that has not was built before the rule was edited; it is built afresh, or the edit would reach
+        only runs that start after it."""
+        return all(k in stored and stored[k] == v for k, v in self.params.items())
+
 
 @dataclass(frozen=True)
 class Rules:

@@ -98,7 +98,7 @@ class _Track:
     @classmethod
     def from_dict(cls, d: dict, rule: Rule) -> _Track:
         return cls(
-            rule, CrossRank.from_state(d["detector"]),
+            rule, CrossRank.from_state(d["detector"]) if rule.fits(d["detector"]) else rule.build(),
             conditions={int(r): Condition(**c) for r, c in d["conditions"].items()},
             applied={int(r): int(s) for r, s in d["applied"].items()},
             scored=int(d["scored"]),
@@ -182,7 +182,8 @@ class RunWatch:
             stall_conditions = {}
         return cls(
             run=d["run"], world_size=d["world_size"], partition=d["partition"], tracks=tracks,
-            stall=None if d["stall"] is None or rules.stall is None else Stall.from_state(d["stall"]),
+            stall=None if d["stall"] is None or rules.stall is None
+            else Stall.from_state(d["stall"]) if rules.stall.fits(d["stall"]) else rules.stall.build(),
             stall_conditions=stall_conditions, retired=retired,
             last_step={int(r): s for r, s in d["last_step"].items()},
             heard={int(r): t for r, t in d["heard"].items()},

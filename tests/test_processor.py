@@ -266,3 +266,20 @@ def test_a_rule_added_or_removed_since_the_state_was_built_is_followed():
     # The removed rule's firing condition resolves (nothing else would), under its own key and incident.
     assert [(a.detector, a.status, a.step) for a in out.alerts] == [("nonfinite", "resolved", 2), ("explode", "firing", 4)]
     assert out.alerts[0].key == Alert.make_key("run-1", "nonfinite", "loss", 1) and out.alerts[0].incident == 1
+
+
+def test_a_rule_edited_since_the_state_was_built_rebuilds_its_detector_and_an_unedited_one_keeps_learning():
+    def rules(loss_direction: str) -> Rules:
+        return Rules.from_toml("\n".join(
+            f'[[rule]]\nmetrics = ["{m}"]\ndetector = "spike"\nparams = {{direction = "{d}"}}\n'
+            for m, d in (("loss", loss_direction), ("grad_norm", "up"))))
+
+    state = RankState()
+    for b in _stream(5, seed=5):  # steps 0..99
+        TelemetryProcessor(rules=rules("up")).process(state, b, now=0.0)
+    # The worker restarts with the loss rule's direction edited; grad_norm's rule is the same.
+    back = RankState.from_dict(_stored(state))
+    TelemetryProcessor(rules=rules("down")).process(back, _batch(5, [100], {"loss": [2.0], "grad_norm": [1.0]}), 0.0)
+    loss, grad = (back.metrics[m].detectors["spike"].state_dict() for m in ("loss", "grad_norm"))
+    assert (loss["direction"], loss["seen"]) == ("down", 1)  # afresh, with the edited parameter
+    assert (grad["direction"], grad["seen"]) == ("up", 101)  # carried on

@@ -3,6 +3,8 @@ read back by the next owner, and deaf to the replays at-least-once delivery brin
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from faust.serializers import codecs
@@ -146,3 +148,20 @@ def test_a_firing_alert_whose_rule_is_gone_from_the_next_owners_rules_is_resolve
     assert all("rule was removed" in a.message for a in resolved)
     assert RunWatcher(rules=kept).tick(moved, now=101.0) == []  # once
     assert RunWatch.from_dict(_stored(moved), rules=kept, clock=102.0).retired == []  # and not stored
+
+
+def test_a_rule_edited_since_the_watch_was_stored_rebuilds_its_detector_and_an_unedited_one_keeps_learning():
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    for i, progress in enumerate(_stream(range(30))):
+        watcher.observe(watch, progress, now=float(i // 4))
+    learned = watch.tracks["compute_time_s"].detector.steps
+    assert learned > 0 and _moved(watch, clock=10.0).tracks["compute_time_s"].detector.steps == learned
+    rules = default_rules()
+    edited = Rules(tuple(dataclasses.replace(r, params={**r.params, "persist": 3}) if "compute_time_s" in r.metrics
+                         else dataclasses.replace(r, params={"factor": 7.0}) if r.detector == "stall"
+                         else r for r in rules.rules), rules.group_wait_s)
+    assert watch.stall.state_dict()["history"] and _moved(watch, clock=10.0).stall.state_dict()["history"]
+    moved = RunWatch.from_dict(_stored(watch), rules=edited, clock=10.0)
+    detector = moved.tracks["compute_time_s"].detector
+    assert (detector.persist, detector.steps) == (3, 0)
+    assert (moved.stall.factor, moved.stall.state_dict()["history"]) == (7.0, [])
