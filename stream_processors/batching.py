@@ -101,7 +101,9 @@ def process_in_parts(
             signals = encoded(*(RankSignal(alert=a, world_size=batch.world_size) for a in result.alerts))
             rollups = encoded(*result.rollups)
             item = None
-            if result.last_step is not None or batch.final:
+            # A late message says nothing of the rank's progress: an earlier incarnation's ``final``
+            # comes after the next incarnation began, and must not close the rank.
+            if not result.arrived_late and (result.last_step is not None or batch.final):
                 item = RankProgress(
                     run=batch.run, rank=batch.rank, world_size=batch.world_size,
                     last_step=-1 if result.last_step is None else result.last_step, ts=batch.ts,

@@ -14,6 +14,14 @@ closes, as any point's), one that closed after the gap opened (kept for this, se
 or one that never had a point. A point of a window that closed before the gap opened, or was let
 go, is dropped as before. Detectors learn a rank's points in step order and do not see late ones;
 a non-finite value in them counts in its window's ``nonfinite``.
+
+An earlier incarnation of a rank can trail the next one too: a killed rank's shipper goes on
+sending its spool while the restarted rank publishes, and after a broker outage both send at once;
+``rankwatch ship`` sends an old spool whenever it is run. Its messages were once taken for a new
+incarnation, which reset the dedup of the running one and fed its detectors older steps, and after
+a worker's restart its applied messages were applied again. A rank's state keeps the last seq of
+its ``RETIRED`` latest earlier incarnations (``retire``): at or below it a message is a replay,
+above it late, as above. A producer id never seen is always taken for the newest incarnation.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ if TYPE_CHECKING:
 LATE_SEQS = 256
 #: Closed windows a metric keeps while messages are missing, for their points to join.
 LATE_WINDOWS = 16
+#: Earlier incarnations of a rank whose cursor is kept. A rank restarts a few times in a run at most.
+RETIRED = 8
 
 
 def is_late(state: RankState, producer: str, seq: int) -> bool:
@@ -53,6 +63,14 @@ def note_skipped(state: RankState, producer: str, seq: int) -> None:
     state.missing = kept
     if not kept:
         let_go(state)
+
+
+def retire(state: RankState) -> None:
+    """Before a new incarnation's first message: keep the current one's cursor, for its stragglers."""
+    if state.producer:
+        state.retired[state.producer] = state.seq
+        for producer in list(state.retired)[:-RETIRED]:
+            del state.retired[producer]
 
 
 def found(state: RankState, seq: int) -> None:

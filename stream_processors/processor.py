@@ -78,12 +78,15 @@ class RankState:
     seq: int = -1
     metrics: dict[str, MetricState] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)  # seqs below ``seq`` not applied yet (``late``)
+    retired: dict[str, int] = field(default_factory=dict)  # earlier incarnations' last seqs (``late``)
 
     def to_dict(self) -> dict:
         d = {"version": STATE_VERSION, "producer": self.producer, "seq": self.seq,
              "metrics": {m: s.to_dict() for m, s in self.metrics.items()}}
         if self.missing:
             d["missing"] = self.missing
+        if self.retired:
+            d["retired"] = self.retired
         return d
 
     __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
@@ -95,7 +98,8 @@ class RankState:
             return cls()
         return stored.read(
             d, lambda f: cls(f["producer"], f["seq"], {m: MetricState.from_dict(s) for m, s in f["metrics"].items()},
-                             [int(s) for s in f.get("missing", ())]),
+                             [int(s) for s in f.get("missing", ())],
+                             {str(p): int(s) for p, s in f.get("retired", {}).items()}),
             version=STATE_VERSION, what="rank state", error=RankStateError)
 
     @classmethod
@@ -136,10 +140,12 @@ class TelemetryProcessor:
         """At-least-once delivery replays messages; a seq we already applied changes nothing.
 
         A new ``producer`` id is a restarted rank whose numbering starts again, never a replay; a seq
-        that a later message skipped is late (``late``), not a replay.
+        that a later message skipped is late (``late``), not a replay; an earlier incarnation's seq
+        is a replay up to the last one applied (``late.retire``).
         """
-        return (batch.producer == state.producer and batch.seq <= state.seq
-                and not late.is_late(state, batch.producer, batch.seq))
+        if batch.producer != state.producer:
+            return batch.seq <= state.retired.get(batch.producer, -1)
+        return batch.seq <= state.seq and not late.is_late(state, batch.producer, batch.seq)
 
     def process(self, state: RankState, batch: TelemetryBatch, now: float) -> Output:
         """Apply one batch to ``state`` in place; return the alerts and closed rollups it produced."""
@@ -147,8 +153,17 @@ class TelemetryProcessor:
         rollups: list[Rollup] = []
         if batch.producer == state.producer and batch.seq <= state.seq:
             if late.is_late(state, batch.producer, batch.seq):
-                return Output(alerts, self._late(state, batch, now), arrived_late=True)
+                rollups = self._late(state, batch, now)
+                late.found(state, batch.seq)  # after: with nothing else missing, the kept windows go
+                return Output(alerts, rollups, arrived_late=True)
             return Output(alerts, rollups)
+        if batch.producer in state.retired:  # an earlier incarnation's message, after the next one began
+            if batch.seq <= state.retired[batch.producer]:
+                return Output(alerts, rollups)
+            state.retired[batch.producer] = batch.seq
+            return Output(alerts, self._late(state, batch, now), arrived_late=True)
+        if batch.producer != state.producer:
+            late.retire(state)
         if batch.seq != state.seq + 1 or batch.producer != state.producer or state.missing:
             late.note_skipped(state, batch.producer, batch.seq)
         state.producer, state.seq = batch.producer, batch.seq
@@ -229,7 +244,8 @@ class TelemetryProcessor:
         return Output(alerts, rollups, last_step, cross)
 
     def _late(self, state: RankState, batch: TelemetryBatch, now: float) -> list[Rollup]:
-        """A message that came after later ones of its rank: its points to the rollups (``late``)."""
+        """A message that came after later ones of its rank or of a later incarnation: its points to the
+        rollups (``late``)."""
         resend = []
         for metric, series in batch.series.items():
             ms = state.metrics.get(metric)
@@ -238,7 +254,6 @@ class TelemetryProcessor:
                 ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()},
                                                          rules=rules, kept_from=0)
             resend += [(metric, w) for w in late.roll_late(ms, series.steps, series.values, self.rollup_steps)]
-        late.found(state, batch.seq)
         return [w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
                             world_size=batch.world_size) for metric, w in resend]
 

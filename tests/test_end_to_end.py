@@ -129,6 +129,20 @@ def test_a_message_that_comes_after_a_later_one_is_still_rolled_up(bootstrap, ru
         (0, 10, 0.0), (10, 10, 1.0), (20, 10, 2.0)]
 
 
+def test_an_earlier_incarnations_messages_read_again_after_the_rank_restarted_change_nothing(bootstrap, run_id):
+    # A worker that reads a partition again from its committed offset (docs/operations.md) meets the
+    # messages of a rank's incarnation "a" after those of the restarted "b": a replay, not a new rank.
+    key = contract.telemetry_key(run_id, 1)
+    a0 = _batch(run_id, 1, 0, [100.0] * 20, producer="a").to_bytes()
+    b = [_batch(run_id, 1, seq, values, first_step=20 + 20 * seq, producer="b").to_bytes()
+         for seq, values in enumerate([[1.0] * 20, [1.0] * 5 + [float("nan")] + [1.0] * 4])]
+    _send(bootstrap, (key, a0), (key, b[0]), (key, a0), (key, b[1]))
+    alerts = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id,
+                          until=lambda found: any(a["detector"] == "nonfinite" for a in found))
+    # Taken for a new incarnation, a0's loss of 100 after b's 1.0 was a hundredfold explosion.
+    assert [(a["detector"], a["status"], a["incident"]) for a in alerts] == [("nonfinite", "firing", 45)]
+
+
 def test_a_nan_on_the_urgent_lane_pages_alone_and_stage_one_only_replays_it(bootstrap, run_id):
     # Ranks 0, 2 and 3 never report, and rank 1's telemetry comes only after the page: a worker far
     # behind on telemetry. The lane's message alone must page.

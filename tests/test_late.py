@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import numpy as np
 
-from rankwatch.contract import Series, TelemetryBatch
+from rankwatch.contract import RUN_EVENTS, ProgressBatch, Series, TelemetryBatch
 from rankwatch.stream_processors.batching import process_batch
-from rankwatch.stream_processors.late import LATE_SEQS, LATE_WINDOWS
+from rankwatch.stream_processors.late import LATE_SEQS, LATE_WINDOWS, RETIRED
 from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
 
 
@@ -132,3 +133,66 @@ def test_process_batch_reports_the_messages_applied_late():
     batches = _stream(3, 10)
     out = process_batch(proc, [batches[i] for i in (1, 2, 0, 0)], lambda key: None, now=0.0)
     assert out.late == [(batches[0].key.decode(), 0)] and out.applied == 3
+
+
+def _restarted(batches: list[TelemetryBatch], at: int) -> list[TelemetryBatch]:
+    """``batches`` from a rank whose publisher restarted before message ``at``: incarnation "b",
+    numbering from 0 again, carries on where "a" stopped."""
+    return [dataclasses.replace(b, producer="a", seq=i) if i < at else
+            dataclasses.replace(b, producer="b", seq=i - at) for i, b in enumerate(batches)]
+
+
+def test_an_earlier_incarnations_message_after_the_next_began_is_rolled_up_late_and_changes_nothing_else():
+    # A killed rank's shipper still sending its spool while the restarted rank publishes.
+    proc = TelemetryProcessor(rollup_steps=50)
+    batches = _restarted(_stream(6, 10, seed=3), at=4)
+    ordered = _rollups(proc, RankState(), batches, range(6))
+    state = RankState()
+    _rollups(proc, state, batches, [0, 1, 2, 4])  # a3 (steps 30-39) trails b0 (40-49)
+    detectors = json.dumps(state.metrics["loss"].to_dict()["detectors"], sort_keys=True)
+    out = proc.process(state, batches[3], now=0.0)
+    assert out.arrived_late and out.alerts == [] and out.last_step is None
+    assert (state.producer, state.seq, state.retired) == ("b", 0, {"a": 3})
+    assert json.dumps(state.metrics["loss"].to_dict()["detectors"], sort_keys=True) == detectors
+    rest = _rollups(proc, state, batches, [5])  # b1 closes window 0, with a3's points in it
+    assert state.missing == []  # b carries on as the current incarnation: nothing of it awaited
+    _same(rest, {0: ordered[0]})
+
+
+def test_an_earlier_incarnations_replay_after_the_next_began_is_dropped():
+    # A worker restarted after the rank did reads both incarnations again from its committed offset.
+    proc = TelemetryProcessor(rollup_steps=10)
+    batches = _restarted(_stream(6, 10, seed=4), at=3)
+    state = RankState()
+    sent = _rollups(proc, state, batches, range(6))
+    before = json.dumps(state.to_dict(), sort_keys=True)
+    for i in (1, 2, 4):
+        assert proc.is_replay(state, batches[i])
+        assert proc.process(state, batches[i], now=0.0).rollups == []
+    assert json.dumps(state.to_dict(), sort_keys=True) == before
+    assert sorted(sent) == [0, 10, 20, 30, 40]
+
+
+def test_the_retired_incarnations_survive_a_round_trip_and_only_the_latest_are_kept():
+    proc = TelemetryProcessor(rollup_steps=10)
+    state = RankState()
+    proc.process(state, _stream(1, 10)[0], now=0.0)
+    assert "retired" not in state.to_dict()
+    for n in range(RETIRED + 2):
+        proc.process(state, dataclasses.replace(_stream(1, 10)[0], producer=f"q{n}", seq=n), now=0.0)
+    back = RankState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert back.retired == state.retired and len(back.retired) == RETIRED
+    # p1 and q0, retired first, went; q{RETIRED + 1} is the current one
+    assert list(back.retired) == [f"q{n}" for n in range(1, RETIRED + 1)]
+    assert back.retired["q8"] == 8 and back.producer == f"q{RETIRED + 1}"
+
+
+def test_an_earlier_incarnations_final_message_does_not_close_the_rank():
+    proc = TelemetryProcessor(rollup_steps=10)
+    batches = _restarted(_stream(3, 10), at=1)
+    closing = dataclasses.replace(_stream(2, 10)[1], producer="a", seq=1, final=True)
+    out = process_batch(proc, [batches[0], batches[1], closing], lambda key: None, now=0.0)
+    progress = [p for topic, _, value in out.messages if topic == RUN_EVENTS
+                for p in ProgressBatch.from_bytes(value).items]
+    assert [(p.last_step, p.final) for p in progress] == [(9, False), (19, False)]
+    assert out.late == [(batches[0].key.decode(), 1)]
