@@ -103,12 +103,12 @@ def process_in_parts(
             item = None
             # A late message says nothing of the rank's progress: an earlier incarnation's ``final``
             # comes after the next incarnation began, and must not close the rank.
-            if not result.arrived_late and (result.last_step is not None or batch.final):
+            if not result.arrived_late and (result.last_step is not None or batch.final or result.restarted):
                 item = RankProgress(
                     run=batch.run, rank=batch.rank, world_size=batch.world_size,
                     last_step=-1 if result.last_step is None else result.last_step, ts=batch.ts,
                     series=result.cross_rank, final=batch.final,
-                    partition=-1 if partitions is None else partitions[index])
+                    partition=-1 if partitions is None else partitions[index], restarted=result.restarted)
                 if _may_be_too_large(item):
                     encoded(item)  # a progress too large to send fails this message, as it did alone
         except Exception as exc:  # a bug must not stop the worker; the caller dead-letters the message

@@ -118,6 +118,7 @@ class Output:
     # values stage 2 compares across ranks: cross-rank rules' metrics, and who waits in a collective
     cross_rank: dict[str, Series] = field(default_factory=dict)
     arrived_late: bool = False  # a message that came after later ones of its rank: rollups only (``late``)
+    restarted: bool = False  # the first message of a new incarnation of a rank seen before
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +163,8 @@ class TelemetryProcessor:
                 return Output(alerts, rollups)
             state.retired[batch.producer] = batch.seq
             return Output(alerts, self._late(state, batch, now), arrived_late=True)
-        if batch.producer != state.producer:
+        restarted = bool(state.producer) and batch.producer != state.producer
+        if restarted:
             late.retire(state)
         if batch.seq != state.seq + 1 or batch.producer != state.producer or state.missing:
             late.note_skipped(state, batch.producer, batch.seq)
@@ -241,7 +243,7 @@ class TelemetryProcessor:
                                     now=now, world_size=batch.world_size)
                 for metric, ms in state.metrics.items() if ms.window is not None
             ]
-        return Output(alerts, rollups, last_step, cross)
+        return Output(alerts, rollups, last_step, cross, restarted=restarted)
 
     def _late(self, state: RankState, batch: TelemetryBatch, now: float) -> list[Rollup]:
         """A message that came after later ones of its rank or of a later incarnation: its points to the

@@ -231,7 +231,9 @@ class RunWatcher:
             watch.partition_of[progress.rank] = progress.partition
             watch.partition_ts[progress.partition] = max(watch.partition_ts.get(progress.partition, -math.inf),
                                                          progress.ts)
-        newer = progress.last_step > watch.last_step.get(progress.rank, -1)
+        # A restarted rank resumed from a checkpoint steps below its old last step, and is stepping:
+        # waiting until it passed that step again was a stall alert on every such restart.
+        newer = progress.restarted or progress.last_step > watch.last_step.get(progress.rank, -1)
         if progress.final:
             # Recording its last step means a stray later heartbeat at that step is no sign of life;
             # only a new step (a restarted process) puts the rank back under watch.

@@ -63,7 +63,7 @@ SAMPLES = {
     Control: Control(run="r", action="set_eval_interval", eval_id=None, value=100.0, reason="x", ts=7.0),
     RankSignal: RankSignal(alert=_alert(), world_size=2),
     RankProgress: RankProgress(run="r", rank=1, world_size=2, last_step=4, ts=8.0,
-                               series={"loss": Series(np.arange(2), np.array([1.0, 2.0]))}),
+                               series={"loss": Series(np.arange(2), np.array([1.0, 2.0]))}, restarted=True),
 }
 if hasattr(contract, "RunUpdate"):  # moving into the contract while this was written
     SAMPLES[contract.RunUpdate] = contract.RunUpdate(report=SAMPLES[EvalReport])

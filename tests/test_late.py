@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from rankwatch.contract import RUN_EVENTS, ProgressBatch, Series, TelemetryBatch
+from rankwatch.contract import RUN_EVENTS, ProgressBatch, RankProgress, Series, TelemetryBatch, decode_run_event
 from rankwatch.stream_processors.batching import process_batch
 from rankwatch.stream_processors.late import LATE_SEQS, LATE_WINDOWS, RETIRED
 from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
@@ -30,6 +30,12 @@ def _rollups(proc: TelemetryProcessor, state: RankState, batches, order) -> dict
         for r in proc.process(state, batches[i], now=0.0).rollups:
             sent[r.start_step] = json.loads(r.to_bytes())
     return sent
+
+
+def _progress(messages) -> list[RankProgress]:
+    """The rank progress among stage 1's ``messages``, in order."""
+    events = [decode_run_event(value) for topic, _, value in messages if topic == RUN_EVENTS]
+    return [p for e in events if not hasattr(e, "alert") for p in (e.items if isinstance(e, ProgressBatch) else [e])]
 
 
 def _same(a: dict[int, dict], b: dict[int, dict]) -> None:
@@ -192,7 +198,19 @@ def test_an_earlier_incarnations_final_message_does_not_close_the_rank():
     batches = _restarted(_stream(3, 10), at=1)
     closing = dataclasses.replace(_stream(2, 10)[1], producer="a", seq=1, final=True)
     out = process_batch(proc, [batches[0], batches[1], closing], lambda key: None, now=0.0)
-    progress = [p for topic, _, value in out.messages if topic == RUN_EVENTS
-                for p in ProgressBatch.from_bytes(value).items]
+    progress = _progress(out.messages)
     assert [(p.last_step, p.final) for p in progress] == [(9, False), (19, False)]
     assert out.late == [(batches[0].key.decode(), 1)]
+
+
+def test_a_new_incarnations_first_progress_says_the_rank_restarted():
+    # Stage 2 then takes its steps as progress even below the old ones (resumed from a checkpoint).
+    proc = TelemetryProcessor(rollup_steps=10)
+    a, b = _stream(3, 10), _stream(3, 10, producer="p2")
+    out = process_batch(proc, [a[0], a[1], b[0], b[1]], lambda key: None, now=0.0)
+    progress = _progress(out.messages)
+    assert [(p.last_step, p.restarted) for p in progress] == [(9, False), (19, False), (9, True), (19, False)]
+    # With no points, the first message still says so.
+    empty = dataclasses.replace(a[2], producer="p3", seq=0, series={})
+    [item] = _progress(process_batch(proc, [empty], lambda key: out.states[key], now=0.0).messages)
+    assert (item.last_step, item.restarted) == (-1, True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -74,6 +76,29 @@ def test_a_heartbeat_after_the_final_batch_does_not_bring_a_finished_rank_back()
         watcher.observe(watch, final, now=31.0)
     watcher.observe(watch, _progress(1, 31, 2, ts=31.5), now=31.5)  # a late heartbeat at the same step
     assert watcher.tick(watch, now=90.0) == []
+
+
+def test_a_job_resumed_from_an_earlier_checkpoint_is_stepping_not_stalled():
+    # Every rank restarts after step 99 and resumes from its checkpoint at step 50: for 50 steps it
+    # repeats steps it had reached, each new to its new incarnation.
+    def job(flag: bool) -> list:
+        watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+        alerts, t = [], 0.0
+        for steps in (range(100), range(50, 130)):
+            t += 5.0  # the restart
+            for step in steps:
+                t += 1.0
+                for rank in range(4):
+                    p = _progress(rank, step, 4, ts=t, compute_time_s=1.0)
+                    first = flag and steps.start and step == steps.start
+                    alerts += watcher.observe(watch, dataclasses.replace(p, restarted=first), now=t)
+                alerts += watcher.tick(watch, now=t + 0.5)
+        return alerts
+
+    assert job(flag=True) == []
+    # What stage 2 made of it before stage 1 said so: the run stalled until it passed step 99 again.
+    assert [(a.detector, a.status, a.step) for a in job(flag=False)] == [
+        ("stall", "firing", 99), ("stall", "resolved", 100)]
 
 
 def _stopped_job(beat) -> list:

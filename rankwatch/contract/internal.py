@@ -63,6 +63,9 @@ class RankProgress:
     series: dict[str, Series]
     final: bool = False  # the rank's publisher closed: stop watching it for stalls
     partition: int = -1  # of the telemetry topic, where stage 1 read it (-1: not known)
+    # The first batch of a new incarnation of the rank (a new publisher id): its steps may start
+    # below the last ones seen (resumed from a checkpoint) and still be progress.
+    restarted: bool = False
 
     KIND = "rank_progress"
     TOPIC = RUN_EVENTS
@@ -75,10 +78,13 @@ class RankProgress:
         return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, **self.to_dict()})
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "run": self.run, "rank": self.rank, "world_size": self.world_size, "last_step": self.last_step,
             "ts": self.ts, "series": encode_series(self.series), "final": self.final, "partition": self.partition,
         }
+        if self.restarted:  # rare: absent is what an older worker sent
+            d["restarted"] = True
+        return d
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RankProgress:
@@ -92,6 +98,7 @@ class RankProgress:
             ts=ts_field(obj), series=decode_series(field_of(obj, "series", dict)),
             final=field_of(obj, "final", bool) if "final" in obj else False,
             partition=field_of(obj, "partition", int) if "partition" in obj else -1,
+            restarted=field_of(obj, "restarted", bool) if "restarted" in obj else False,
         )
 
 
