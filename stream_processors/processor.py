@@ -79,6 +79,8 @@ class RankState:
     metrics: dict[str, MetricState] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)  # seqs below ``seq`` not applied yet (``late``)
     retired: dict[str, int] = field(default_factory=dict)  # earlier incarnations' last seqs (``late``)
+    # Since the rank restarted, the metrics whose first point has not come: it may rewind (``_rewound``).
+    resuming: set[str] = field(default_factory=set)
 
     def to_dict(self) -> dict:
         d = {"version": STATE_VERSION, "producer": self.producer, "seq": self.seq,
@@ -87,6 +89,8 @@ class RankState:
             d["missing"] = self.missing
         if self.retired:
             d["retired"] = self.retired
+        if self.resuming:
+            d["resuming"] = sorted(self.resuming)
         return d
 
     __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
@@ -99,7 +103,8 @@ class RankState:
         return stored.read(
             d, lambda f: cls(f["producer"], f["seq"], {m: MetricState.from_dict(s) for m, s in f["metrics"].items()},
                              [int(s) for s in f.get("missing", ())],
-                             {str(p): int(s) for p, s in f.get("retired", {}).items()}),
+                             {str(p): int(s) for p, s in f.get("retired", {}).items()},
+                             {str(m) for m in f.get("resuming", ())}),
             version=STATE_VERSION, what="rank state", error=RankStateError)
 
     @classmethod
@@ -166,6 +171,8 @@ class TelemetryProcessor:
         restarted = bool(state.producer) and batch.producer != state.producer
         if restarted:
             late.retire(state)
+            state.resuming = set(state.metrics)
+        resuming = state.resuming
         if batch.seq != state.seq + 1 or batch.producer != state.producer or state.missing:
             late.note_skipped(state, batch.producer, batch.seq)
         state.producer, state.seq = batch.producer, batch.seq
@@ -224,6 +231,12 @@ class TelemetryProcessor:
                     severity=rule.severity or detector.severity, steps=steps, values=values,
                     scores=scores, anomalous=anomalous, now=now,
                 )
+            if resuming and metric in resuming:
+                resuming.discard(metric)
+                if _rewound(ms.window, steps):
+                    rollups.append(ms.window.to_rollup(run=batch.run, rank=batch.rank, metric=metric,
+                                                       width=self.rollup_steps, now=now, world_size=batch.world_size))
+                    ms.window = None
             if one is not None:
                 ms.window, closed = roll_one(ms.window, *one, self.rollup_steps)
             else:
@@ -279,6 +292,15 @@ def _follow_rules(ms: MetricState, rules: dict[str, Rule]) -> list[tuple[str, De
         if name not in ms.detectors:
             ms.detectors[name] = rule.build()
     return firing
+
+
+def _rewound(window: Window | None, steps: np.ndarray) -> bool:
+    """Whether a restarted rank's first points of a metric go back to steps its open window saw:
+    resumed from an earlier checkpoint. That window, as the last incarnation left it, is sent, and
+    the steps are rolled up afresh: the repeated steps' rollups are the new incarnation's, and win.
+    (Rolled up as before, they joined the old points, or were dropped below the open window.)"""
+    return (window is not None and window.last_step is not None and len(steps) > 0
+            and int(steps.min()) <= window.last_step)
 
 
 def _all_finite(values: np.ndarray) -> bool:

@@ -214,3 +214,43 @@ def test_a_new_incarnations_first_progress_says_the_rank_restarted():
     empty = dataclasses.replace(a[2], producer="p3", seq=0, series={})
     [item] = _progress(process_batch(proc, [empty], lambda key: out.states[key], now=0.0).messages)
     assert (item.last_step, item.restarted) == (-1, True)
+
+
+def _incarnation(producer: str, first_step: int, last_step: int, value: float) -> list[TelemetryBatch]:
+    """One incarnation's messages of ten steps each, every value ``value``."""
+    return [TelemetryBatch(run="r", rank=3, world_size=4, producer=producer, seq=seq, ts=100.0 + step,
+                           series={"loss": Series(np.arange(step, step + 10), np.full(10, value))})
+            for seq, step in enumerate(range(first_step, last_step + 1, 10))]
+
+
+def test_a_rank_resumed_from_an_earlier_checkpoint_rolls_up_the_steps_it_repeats_afresh():
+    proc = TelemetryProcessor(rollup_steps=50)
+    first, resumed = _incarnation("a", 0, 119, 1.0), _incarnation("b", 60, 159, 2.0)
+    state = RankState()
+    sent = [json.loads(r.to_bytes()) for b in first + resumed for r in proc.process(state, b, now=0.0).rollups]
+    as_sent = [(r["start_step"], r["first_step"], r["count"], r["mean"]) for r in sent]
+    # a's window 100 as it stood, then b's windows: 60-99 of window 50 (the store keeps the last per
+    # window), then 100-149 whole. Before: b's steps 60-99 were dropped and window 100 had 70 points.
+    assert as_sent == [(0, 0, 50, 1.0), (50, 50, 50, 1.0), (100, 100, 20, 1.0), (50, 60, 40, 2.0), (100, 100, 50, 2.0)]
+    assert state.resuming == set()
+
+
+def test_a_rank_restarted_where_it_stopped_keeps_its_open_windows():
+    proc = TelemetryProcessor(rollup_steps=50)
+    state = RankState()
+    sent = [json.loads(r.to_bytes()) for b in _incarnation("a", 0, 119, 1.0) + _incarnation("b", 120, 159, 2.0)
+            for r in proc.process(state, b, now=0.0).rollups]
+    assert [(r["start_step"], r["count"], r["mean"]) for r in sent] == [(0, 50, 1.0), (50, 50, 1.0), (100, 50, 1.6)]
+
+
+def test_a_restarted_ranks_metrics_not_seen_again_yet_survive_a_round_trip():
+    proc = TelemetryProcessor(rollup_steps=50)
+    state = RankState()
+    proc.process(state, _incarnation("a", 0, 9, 1.0)[0], now=0.0)
+    eval_point = TelemetryBatch(run="r", rank=3, world_size=4, producer="a", seq=1, ts=0.0,
+                                series={"eval_acc": Series(np.array([9]), np.array([0.5]))})
+    proc.process(state, eval_point, now=0.0)
+    assert "resuming" not in state.to_dict()
+    proc.process(state, _incarnation("b", 5, 14, 1.0)[0], now=0.0)
+    back = RankState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert back.resuming == {"eval_acc"}  # its first point since the restart may go back still
