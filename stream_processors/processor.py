@@ -203,6 +203,15 @@ class TelemetryProcessor:
                             condition, run=batch.run, rank=batch.rank, metric=metric, detector=name,
                             severity=detector.severity, step=step, value=value, now=now))
                 ms.rules = rules
+            if resuming and metric in resuming:
+                resuming.discard(metric)
+                if _rewound(ms.window, steps):
+                    rollups.append(ms.window.to_rollup(run=batch.run, rank=batch.rank, metric=metric,
+                                                       width=self.rollup_steps, now=now, world_size=batch.world_size))
+                    ms.window = None
+                    for name, detector in ms.detectors.items():
+                        if detector.level_relative:
+                            ms.detectors[name] = rules[name].build()
             # One check per series instead of one per stateless detector: nearly every series is all
             # finite, and at one step per message numpy's fixed cost per call is most of the work.
             finite = math.isfinite(one[1]) if one is not None else _all_finite(values)
@@ -231,12 +240,6 @@ class TelemetryProcessor:
                     severity=rule.severity or detector.severity, steps=steps, values=values,
                     scores=scores, anomalous=anomalous, now=now,
                 )
-            if resuming and metric in resuming:
-                resuming.discard(metric)
-                if _rewound(ms.window, steps):
-                    rollups.append(ms.window.to_rollup(run=batch.run, rank=batch.rank, metric=metric,
-                                                       width=self.rollup_steps, now=now, world_size=batch.world_size))
-                    ms.window = None
             if one is not None:
                 ms.window, closed = roll_one(ms.window, *one, self.rollup_steps)
             else:
@@ -298,7 +301,9 @@ def _rewound(window: Window | None, steps: np.ndarray) -> bool:
     """Whether a restarted rank's first points of a metric go back to steps its open window saw:
     resumed from an earlier checkpoint. That window, as the last incarnation left it, is sent, and
     the steps are rolled up afresh: the repeated steps' rollups are the new incarnation's, and win.
-    (Rolled up as before, they joined the old points, or were dropped below the open window.)"""
+    (Rolled up as before, they joined the old points, or were dropped below the open window.) The
+    detectors that judge a point against recent values learn afresh too: going back to the
+    checkpoint's values (a loss higher again) was a false spike alert on every such restart."""
     return (window is not None and window.last_step is not None and len(steps) > 0
             and int(steps.min()) <= window.last_step)
 

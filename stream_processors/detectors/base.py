@@ -29,6 +29,10 @@ class Detector(ABC):
     threshold: float = 0.5
     #: Severity of alerts raised from this detector's decisions.
     severity: str = "warning"
+    #: Whether a point is judged against the series' recent values. A rank resumed from an earlier
+    #: checkpoint goes back to earlier values, which such a detector takes for a jump, so the
+    #: processor rebuilds it there; checks of an absolute kind (non-finite, orders of magnitude) stay.
+    level_relative: bool = True
     #: Conformance checks that do not apply to this detector, each with the reason.
     skip_checks: Mapping[str, str] = MappingProxyType({})
 

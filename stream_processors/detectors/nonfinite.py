@@ -19,6 +19,7 @@ class NonFinite(Detector):
     name = "nonfinite"
     threshold = 1.0
     severity = "critical"
+    level_relative = False
 
     def score(self, values: np.ndarray) -> np.ndarray:
         return (~np.isfinite(np.asarray(values, dtype=np.float64))).astype(np.float64)
