@@ -303,7 +303,8 @@ def _rewound(window: Window | None, steps: np.ndarray) -> bool:
     the steps are rolled up afresh: the repeated steps' rollups are the new incarnation's, and win.
     (Rolled up as before, they joined the old points, or were dropped below the open window.) The
     detectors that judge a point against recent values learn afresh too: going back to the
-    checkpoint's values (a loss higher again) was a false spike alert on every such restart."""
+    checkpoint's values (a loss higher again, a grad norm a hundred times larger) was a false alert
+    on every such restart."""
     return (window is not None and window.last_step is not None and len(steps) > 0
             and int(steps.min()) <= window.last_step)
 

@@ -30,8 +30,8 @@ class Detector(ABC):
     #: Severity of alerts raised from this detector's decisions.
     severity: str = "warning"
     #: Whether a point is judged against the series' recent values. A rank resumed from an earlier
-    #: checkpoint goes back to earlier values, which such a detector takes for a jump, so the
-    #: processor rebuilds it there; checks of an absolute kind (non-finite, orders of magnitude) stay.
+    #: checkpoint goes back to earlier values, which such a detector takes for a jump (a converged
+    #: run's grad norm is orders of magnitude below its early one), so the processor rebuilds it there.
     level_relative: bool = True
     #: Conformance checks that do not apply to this detector, each with the reason.
     skip_checks: Mapping[str, str] = MappingProxyType({})

@@ -35,7 +35,6 @@ class Explode(Detector):
 
     name = "explode"
     severity = "critical"
-    level_relative = False  # orders of magnitude: a broken restart is caught from its first point
     skip_checks = {"warmup_scores_zero": "one point is the whole warm-up, so a first spike is the reference"}
 
     def __init__(
