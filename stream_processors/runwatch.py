@@ -247,6 +247,8 @@ class RunWatcher:
                     watch.stall = self.rules.stall.build()
                 watch.stall.observe(progress.rank, progress.ts)  # the rank's own time: lag is no gap
                 watch.stepped[progress.rank] = clock
+        if progress.restarted:
+            self._resume(watch, progress)
         alerts: list[Alert] = []
         for metric, series in progress.series.items():
             if metric == COLLECTIVE_WAIT:
@@ -270,6 +272,16 @@ class RunWatcher:
                 track.rows.setdefault(step, {})[progress.rank] = value
             alerts += self._score_ready(watch, metric, track, at, now)
         return alerts
+
+    @staticmethod
+    def _resume(watch: RunWatch, progress: RankProgress) -> None:
+        """A restarted rank's steps count in the cross-rank rows from where it resumed. From an earlier
+        checkpoint it repeats steps whose rows were scored already, and a job restarted on a slow
+        node went unnamed until it passed its old last step (a checkpoint interval, up to hours)."""
+        first = min((int(s.steps.min()) for s in progress.series.values() if len(s.steps)), default=progress.last_step)
+        for track in watch.tracks.values():
+            track.applied.pop(progress.rank, None)
+            track.scored = min(track.scored, first - 1)
 
     def tick(self, watch: RunWatch, now: float) -> list[Alert]:
         """Rows whose wait ran out, and ranks that stopped; call this on a timer."""

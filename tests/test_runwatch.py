@@ -101,6 +101,30 @@ def test_a_job_resumed_from_an_earlier_checkpoint_is_stepping_not_stalled():
         ("stall", "firing", 99), ("stall", "resolved", 100)]
 
 
+def test_a_straggler_in_a_job_resumed_from_an_earlier_checkpoint_is_named_while_it_repeats_steps():
+    # The job restarts after step 99 on a slow node (rank 5) and resumes from the checkpoint of step 50.
+    def named(flag: bool) -> list:
+        watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+        rng = np.random.default_rng(0)
+        fired, t = [], 0.0
+        for steps in (range(100), range(50, 130)):
+            t += 5.0
+            for step in steps:
+                t += 1.0
+                for rank in range(8):
+                    slow = 0.5 if steps.start and rank == 5 else 0.0
+                    p = _progress(rank, step, 8, ts=t, compute_time_s=1.0 + 0.01 * rng.standard_normal() + slow)
+                    first = flag and steps.start and step == steps.start
+                    fired += watcher.observe(watch, dataclasses.replace(p, restarted=first), now=t)
+                fired += watcher.tick(watch, now=t + 0.5)
+        return [(a.rank, a.step) for a in fired if a.status == "firing" and a.detector == "crossrank"]
+
+    [(rank, step)] = named(flag=True)
+    assert rank == 5 and 50 <= step <= 53
+    # Before, the rows of steps 50-99 had been scored: rank 5 was named only past its old last step.
+    assert [r for r, s in named(flag=False) if s < 100] == []
+
+
 def _stopped_job(beat) -> list:
     """Four ranks step once a second, then all stop after step 29; ``beat(rank, t)`` is a rank's
     heartbeat during the stop (its collective wait), or None for a rank that went silent."""
