@@ -17,11 +17,11 @@ a non-finite value in them counts in its window's ``nonfinite``.
 
 An earlier incarnation of a rank can trail the next one too: a killed rank's shipper goes on
 sending its spool while the restarted rank publishes, and after a broker outage both send at once;
-``rankwatch ship`` sends an old spool whenever it is run. Its messages were once taken for a new
-incarnation, which reset the dedup of the running one and fed its detectors older steps, and after
-a worker's restart its applied messages were applied again. A rank's state keeps the last seq of
-its ``RETIRED`` latest earlier incarnations (``retire``): at or below it a message is a replay,
-above it late, as above. A producer id never seen is always taken for the newest incarnation.
+``rankwatch ship`` sends an old spool whenever it is run. Taken for a new incarnation, its messages
+would reset the dedup of the running one and feed its detectors older steps, and after a worker's
+restart be applied again. So a rank's state keeps the last seq of its ``RETIRED`` latest earlier
+incarnations (``retire``): at or below it a message is a replay, above it late, as above. A
+producer id never seen is always taken for the newest incarnation.
 """
 
 from __future__ import annotations

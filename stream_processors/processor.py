@@ -300,11 +300,11 @@ def _follow_rules(ms: MetricState, rules: dict[str, Rule]) -> list[tuple[str, De
 def _rewound(window: Window | None, steps: np.ndarray) -> bool:
     """Whether a restarted rank's first points of a metric go back to steps its open window saw:
     resumed from an earlier checkpoint. That window, as the last incarnation left it, is sent, and
-    the steps are rolled up afresh: the repeated steps' rollups are the new incarnation's, and win.
-    (Rolled up as before, they joined the old points, or were dropped below the open window.) The
-    detectors that judge a point against recent values learn afresh too: going back to the
-    checkpoint's values (a loss higher again, a grad norm a hundred times larger) was a false alert
-    on every such restart."""
+    the steps are rolled up afresh: the repeated steps' rollups are the new incarnation's, and win
+    (else they would join the old points of the same steps, or be dropped below the open window).
+    The detectors that judge a point against recent values learn afresh too: to them, going back to
+    the checkpoint's values (a loss higher again, a grad norm a hundred times larger) is an anomaly,
+    and every such restart would be a false alert."""
     return (window is not None and window.last_step is not None and len(steps) > 0
             and int(steps.min()) <= window.last_step)
 

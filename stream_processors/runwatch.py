@@ -232,7 +232,7 @@ class RunWatcher:
             watch.partition_ts[progress.partition] = max(watch.partition_ts.get(progress.partition, -math.inf),
                                                          progress.ts)
         # A restarted rank resumed from a checkpoint steps below its old last step, and is stepping:
-        # waiting until it passed that step again was a stall alert on every such restart.
+        # waiting until it passes that step again would be a stall alert on every such restart.
         newer = progress.restarted or progress.last_step > watch.last_step.get(progress.rank, -1)
         if progress.final:
             # Recording its last step means a stray later heartbeat at that step is no sign of life;
@@ -276,12 +276,13 @@ class RunWatcher:
     @staticmethod
     def _resume(watch: RunWatch, progress: RankProgress) -> None:
         """A restarted rank's steps count in the cross-rank rows from where it resumed. From an earlier
-        checkpoint it repeats steps whose rows were scored already, and a job restarted on a slow
-        node went unnamed until it passed its old last step (a checkpoint interval, up to hours)."""
+        checkpoint it repeats steps whose rows were scored already: else a job restarted on a slow
+        node would have it named only past its old last step (a checkpoint interval, up to hours)."""
         first = min((int(s.steps.min()) for s in progress.series.values() if len(s.steps)), default=progress.last_step)
         for track in watch.tracks.values():
             track.applied.pop(progress.rank, None)
-            track.scored = min(track.scored, first - 1)
+            if first >= 0:  # -1: a first message without points says nothing of where it resumed
+                track.scored = min(track.scored, first - 1)
 
     def tick(self, watch: RunWatch, now: float) -> list[Alert]:
         """Rows whose wait ran out, and ranks that stopped; call this on a timer."""
