@@ -46,7 +46,7 @@ def _progress(grouper: Grouper, state: RunGroups, observed: list, now: float) ->
     """Stage 1's progress of each rank and the cross-rank alerts it brought, applied in order."""
     due = []
     for p, found in observed:
-        due += grouper.progress(state, p.rank, p.last_step, p.world_size, now)
+        due += grouper.progress(state, p.rank, p.last_step, p.world_size, now, restarted=p.restarted)
         due += grouper.add_all(state, [RankSignal(alert=alert, world_size=p.world_size) for alert in found], now)
     return due
 

@@ -145,10 +145,18 @@ class Grouper:
     def add_all(self, state: RunGroups, signals: list[RankSignal], now: float) -> list[Alert]:
         return [alert for signal in signals for alert in self.add(state, signal, now)]
 
-    def progress(self, state: RunGroups, rank: int, step: int, world_size: int, now: float) -> list[Alert]:
-        """Stage 1 applied ``rank``'s telemetry up to ``step``; return groups this makes due."""
-        state.world_size = max(state.world_size, world_size)
+    def progress(self, state: RunGroups, rank: int, step: int, world_size: int, now: float,
+                 restarted: bool = False) -> list[Alert]:
+        """Stage 1 applied ``rank``'s telemetry up to ``step``; return groups this makes due.
+        ``restarted``: the rank's first since it restarted, perhaps from an earlier checkpoint (its
+        steps count anew) and, for an elastic job, with fewer ranks (those beyond are waited for no more)."""
         key = str(rank)
+        if restarted:
+            state.progress.pop(key, None)
+            if world_size < state.world_size:
+                state.world_size = world_size
+                state.progress = {r: s for r, s in state.progress.items() if int(r) < world_size}
+        state.world_size = max(state.world_size, world_size)
         if step <= state.progress.get(key, -1):
             return []
         state.progress[key] = step

@@ -79,13 +79,13 @@ class AlertPolicy:
 
 
 def resolve_retired(cond: Condition, *, run: str, rank: int | None, metric: str, detector: str, severity: str,
-                    step: int, value: float, now: float) -> Alert:
-    """The ``resolved`` transition of a firing condition whose rule was removed: nothing would judge
-    it again, so without this its alert would stay open for good."""
+                    step: int, value: float, now: float, why: str | None = None) -> Alert:
+    """The ``resolved`` transition of a firing condition that nothing will judge again (``why``; by
+    default, its rule was removed), so that its alert does not stay open for good."""
     return Alert(
         key=Alert.make_key(run, detector, metric, rank), run=run, status="resolved", severity=severity,
         detector=detector, metric=metric, rank=rank, step=step, value=value, ts=now, score=0.0,
-        message=f"{metric} on {_who(rank)}: its {detector} rule was removed; resolved at step {step}",
+        message=f"{metric} on {_who(rank)}: {why or f'its {detector} rule was removed'}; resolved at step {step}",
         incident=cond.incident, ranks=() if rank is None else (rank,),
     )
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from rankwatch.contract import COLLECTIVE_WAIT, Alert, RankProgress
 from rankwatch.errors import RankwatchError
-from rankwatch.stream_processors import stored
+from rankwatch.stream_processors import restarts, stored
 from rankwatch.stream_processors.clocks import OutageClock
 from rankwatch.stream_processors.detectors import CrossRank, Stall
 from rankwatch.stream_processors.detectors.stall import Stalled
@@ -126,9 +126,10 @@ class RunWatch:
     # behind on one partition gets its ranks' steps late, all together, whatever the others show.
     partition_of: dict[int, int] = field(default_factory=dict)
     partition_ts: dict[int, float] = field(default_factory=dict)
-    # Firing conditions of rules removed since the watch was stored, (detector, severity, metric,
-    # rank, condition): the next tick resolves them. Not stored: the write after that tick drops them.
-    retired: list[tuple[str, str, str, int | None, Condition]] = field(default_factory=list)
+    # Firing conditions that nothing will judge again, (detector, severity, metric, rank, condition,
+    # why; None: its rule was removed since the watch was stored, see ``restarts.reform`` for the
+    # rest): the next tick resolves them. Not stored: the write after that tick drops them.
+    retired: list[tuple[str, str, str, int | None, Condition, str | None]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-able and versioned. Times on the outage clock are stored as ages at ``clock``: each
@@ -174,11 +175,11 @@ class RunWatch:
             if rule is not None:
                 tracks[metric] = _Track.from_dict(track, rule)
             else:
-                retired += [(CrossRank.name, CrossRank.severity, metric, int(r), Condition(**c))
+                retired += [(CrossRank.name, CrossRank.severity, metric, int(r), Condition(**c), None)
                             for r, c in track["conditions"].items() if c["firing"]]
         stall_conditions = {None if r == "run" else int(r): Condition(**c) for r, c in d["stall_conditions"].items()}
         if rules.stall is None:
-            retired += [("stall", Stall.severity, STALL_METRIC, r, c) for r, c in stall_conditions.items() if c.firing]
+            retired += [("stall", Stall.severity, STALL_METRIC, r, c, None) for r, c in stall_conditions.items() if c.firing]
             stall_conditions = {}
         return cls(
             run=d["run"], world_size=d["world_size"], partition=d["partition"], tracks=tracks,
@@ -222,6 +223,9 @@ class RunWatcher:
 
     def observe(self, watch: RunWatch, progress: RankProgress, now: float) -> list[Alert]:
         """Apply one rank's progress; return the per-rank transitions it completes."""
+        if progress.restarted and progress.world_size < watch.world_size:
+            restarts.reform(watch, progress.world_size, stall_metric=STALL_METRIC,
+                            stall_severity=(self.rules.stall.severity if self.rules.stall else None) or Stall.severity)
         watch.world_size = max(watch.world_size, progress.world_size)
         clock = self.outages.read(now)  # the worker's side of silences is measured on this one
         watch.latest_ts, watch.arrived, watch.clock = max(watch.latest_ts, progress.ts), clock, clock
@@ -248,7 +252,7 @@ class RunWatcher:
                 watch.stall.observe(progress.rank, progress.ts)  # the rank's own time: lag is no gap
                 watch.stepped[progress.rank] = clock
         if progress.restarted:
-            self._resume(watch, progress)
+            restarts.resume(watch, progress)
         alerts: list[Alert] = []
         for metric, series in progress.series.items():
             if metric == COLLECTIVE_WAIT:
@@ -273,24 +277,13 @@ class RunWatcher:
             alerts += self._score_ready(watch, metric, track, at, now)
         return alerts
 
-    @staticmethod
-    def _resume(watch: RunWatch, progress: RankProgress) -> None:
-        """A restarted rank's steps count in the cross-rank rows from where it resumed. From an earlier
-        checkpoint it repeats steps whose rows were scored already: else a job restarted on a slow
-        node would have it named only past its old last step (a checkpoint interval, up to hours)."""
-        first = min((int(s.steps.min()) for s in progress.series.values() if len(s.steps)), default=progress.last_step)
-        for track in watch.tracks.values():
-            track.applied.pop(progress.rank, None)
-            if first >= 0:  # -1: a first message without points says nothing of where it resumed
-                track.scored = min(track.scored, first - 1)
-
     def tick(self, watch: RunWatch, now: float) -> list[Alert]:
         """Rows whose wait ran out, and ranks that stopped; call this on a timer."""
         run_step = max(watch.last_step.values(), default=-1)
         alerts = [resolve_retired(condition, run=watch.run, rank=rank, metric=metric, detector=detector,
-                                  severity=severity, value=math.nan, now=now,
+                                  severity=severity, value=math.nan, now=now, why=why,
                                   step=run_step if rank is None else watch.last_step.get(rank, run_step))
-                  for detector, severity, metric, rank, condition in watch.retired]
+                  for detector, severity, metric, rank, condition, why in watch.retired]
         watch.retired = []
         clock = watch.clock = self.outages.read(now)
         at = watch.event_now(clock)

@@ -119,6 +119,19 @@ def test_the_earliest_incident_names_the_group_even_when_it_arrives_second():
     assert "rank 2 at step 120" in alert.message
 
 
+def test_a_job_restarted_with_fewer_ranks_is_grouped_without_waiting_for_the_ranks_it_left():
+    grouper, state = Grouper(group_wait_s=10.0), RunGroups()
+    for rank in range(4):
+        grouper.progress(state, rank, 99, 4, now=0.0)
+    for rank in range(3):  # the elastic job restarted on three nodes
+        grouper.progress(state, rank, 50, 3, now=1.0, restarted=True)
+    assert grouper.add(state, _signal(1, incident=60, step=60, world=3), now=2.0) == []
+    # They repeat steps they had reached: a rank is past step 60 once it is, again.
+    assert grouper.progress(state, 0, 60, 3, now=2.0) == grouper.progress(state, 1, 60, 3, now=2.0) == []
+    [alert] = grouper.progress(state, 2, 60, 3, now=2.0)  # every rank of the three past step 60, none waited for
+    assert (alert.ranks, alert.incident) == ((1,), 60)
+
+
 def test_a_run_wide_transition_passes_through_once():
     grouper, state = Grouper(group_wait_s=10.0), RunGroups()
     alert = Alert(key="r/stall/steps", run="r", status="firing", severity="critical", detector="stall",

@@ -125,6 +125,24 @@ def test_a_straggler_in_a_job_resumed_from_an_earlier_checkpoint_is_named_while_
     assert [r for r, s in named(flag=False) if s < 100] == []
 
 
+def test_an_elastic_job_restarted_with_fewer_ranks_is_no_stall_of_the_ranks_it_left():
+    # Rank 3 dies after step 79 (its node failed); the job goes on until it notices, then restarts
+    # from the checkpoint of step 50 on the three nodes left.
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    alerts, t = [], 0.0
+    for steps, world in ((range(100), 4), (range(50, 130), 3)):
+        t += 5.0
+        for step in steps:
+            t += 1.0
+            for rank in range(world if world == 3 or step < 80 else 3):
+                p = _progress(rank, step, world, ts=t, compute_time_s=1.0)
+                alerts += watcher.observe(watch, dataclasses.replace(p, restarted=world == 3 and step == 50), now=t)
+            alerts += watcher.tick(watch, now=t + 0.5)
+    assert [(a.detector, a.status, a.rank) for a in alerts] == [("stall", "firing", 3), ("stall", "resolved", 3)]
+    assert alerts[1].message == "steps on rank 3: the run restarted with 3 ranks; resolved at step 50"
+    assert watch.world_size == 3 and 3 not in watch.last_step
+
+
 def _stopped_job(beat) -> list:
     """Four ranks step once a second, then all stop after step 29; ``beat(rank, t)`` is a rank's
     heartbeat during the stop (its collective wait), or None for a rank that went silent."""
