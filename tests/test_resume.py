@@ -1,5 +1,6 @@
-"""A job killed and resumed from an earlier checkpoint, the whole loop on the embedded broker: real
-torch ranks as separate processes, the worker, the alert and report topics."""
+"""A job killed and resumed from an earlier checkpoint on fewer nodes (an elastic restart), the whole
+loop on the embedded broker: real torch ranks as separate processes, the worker, the alert and
+report topics."""
 
 from __future__ import annotations
 
@@ -15,24 +16,25 @@ from rankwatch import contract
 
 pytestmark = pytest.mark.broker
 HERE = Path(__file__).parent
-WORLD, SAVE_AT, DIED_AT, LAST, STEP_S = 2, 10, 149, 170, 0.08
+WORLD, RESUMED_WORLD, SAVE_AT, DIED_AT, LAST, STEP_S = 2, 1, 10, 149, 170, 0.08
 WIDTH = 10  # the test stack's rollup_steps
 
 
-def _ranks(run_id: str, bootstrap: str, tmp_path: Path) -> None:
-    """Every rank once: from step 0 until it dies, or from the checkpoint to the end."""
+def _ranks(run_id: str, bootstrap: str, tmp_path: Path, world: int) -> None:
+    """``world`` ranks: from step 0 until they die, or from their checkpoint to the end."""
     procs = [subprocess.Popen([sys.executable, str(HERE / "resume_loop.py"), run_id, bootstrap,
                                str(tmp_path / f"rank{r}.pt"), str(SAVE_AT), str(DIED_AT if died else LAST), str(STEP_S)],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD)))
-             for r in range(WORLD) for died in [not (tmp_path / f"rank{r}.pt").exists()]]
-    assert [p.wait(120) for p in procs] == [0] * WORLD
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world)))
+             for r in range(world) for died in [not (tmp_path / f"rank{r}.pt").exists()]]
+    assert [p.wait(120) for p in procs] == [0] * world
 
 
-def test_a_job_resumed_from_an_earlier_checkpoint_raises_nothing_and_its_reports_follow_the_resumed_run(
+def test_a_job_resumed_from_an_earlier_checkpoint_on_fewer_nodes_raises_nothing_and_its_reports_follow_it(
         bootstrap, run_id, tmp_path):
-    # The ranks repeat steps 11-149 for 11 s, beyond the stall floor of 10 s; the loss goes back up.
-    _ranks(run_id, bootstrap, tmp_path)
-    _ranks(run_id, bootstrap, tmp_path)
+    # Rank 0 repeats steps 11-149 for 11 s, beyond the stall floor of 10 s, and its loss goes back
+    # up; rank 1's node is gone, and the job resumes without it.
+    _ranks(run_id, bootstrap, tmp_path, WORLD)
+    _ranks(run_id, bootstrap, tmp_path, RESUMED_WORLD)
     last_window = LAST // WIDTH * WIDTH
     rollups = consume_json(bootstrap, contract.REPORTS,
                            lambda r: r.get("run") == run_id and r.get("metric") == "loss" and r.get("rank") == 0,
