@@ -206,8 +206,7 @@ class TelemetryProcessor:
             if resuming and metric in resuming:
                 resuming.discard(metric)
                 if _rewound(ms.window, steps):
-                    rollups.append(ms.window.to_rollup(run=batch.run, rank=batch.rank, metric=metric,
-                                                       width=self.rollup_steps, now=now, world_size=batch.world_size))
+                    rollups.append(self._rollup(batch, metric, ms.window, now))
                     ms.window = None
                     for name, detector in ms.detectors.items():
                         if detector.level_relative:
@@ -246,19 +245,12 @@ class TelemetryProcessor:
                 ms.window, closed = roll(ms.window, steps, values, self.rollup_steps)
             if closed:
                 late.keep(ms, closed)
-                rollups += [
-                    w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
-                                world_size=batch.world_size)
-                    for w in closed
-                ]
+                rollups += [self._rollup(batch, metric, w, now) for w in closed]
         if batch.final:
             # The rank closes: its open windows would never close, so send them now. They stay open: a
             # rank that carries on (restarted) sends the window again, complete, and that rollup wins.
-            rollups += [
-                ms.window.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps,
-                                    now=now, world_size=batch.world_size)
-                for metric, ms in state.metrics.items() if ms.window is not None
-            ]
+            rollups += [self._rollup(batch, metric, ms.window, now)
+                        for metric, ms in state.metrics.items() if ms.window is not None]
         return Output(alerts, rollups, last_step, cross, restarted=restarted)
 
     def _late(self, state: RankState, batch: TelemetryBatch, now: float) -> list[Rollup]:
@@ -272,8 +264,11 @@ class TelemetryProcessor:
                 ms = state.metrics[metric] = MetricState(detectors={n: r.build() for n, r in rules.items()},
                                                          rules=rules, kept_from=0)
             resend += [(metric, w) for w in late.roll_late(ms, series.steps, series.values, self.rollup_steps)]
-        return [w.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
-                            world_size=batch.world_size) for metric, w in resend]
+        return [self._rollup(batch, metric, w, now) for metric, w in resend]
+
+    def _rollup(self, batch: TelemetryBatch, metric: str, window: Window, now: float) -> Rollup:
+        return window.to_rollup(run=batch.run, rank=batch.rank, metric=metric, width=self.rollup_steps, now=now,
+                                world_size=batch.world_size)
 
 
 def fit_due_models(states: Iterable[RankState]) -> None:

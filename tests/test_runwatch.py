@@ -78,46 +78,42 @@ def test_a_heartbeat_after_the_final_batch_does_not_bring_a_finished_rank_back()
     assert watcher.tick(watch, now=90.0) == []
 
 
-def test_a_job_resumed_from_an_earlier_checkpoint_is_stepping_not_stalled():
-    # Every rank restarts after step 99 and resumes from its checkpoint at step 50: for 50 steps it
-    # repeats steps it had reached, each new to its new incarnation.
-    def job(flag: bool) -> list:
-        watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
-        alerts, t = [], 0.0
-        for steps in (range(100), range(50, 130)):
-            t += 5.0  # the restart
-            for step in steps:
-                t += 1.0
-                for rank in range(4):
-                    p = _progress(rank, step, 4, ts=t, compute_time_s=1.0)
-                    first = flag and steps.start and step == steps.start
-                    alerts += watcher.observe(watch, dataclasses.replace(p, restarted=first), now=t)
-                alerts += watcher.tick(watch, now=t + 0.5)
-        return alerts
+def _resumed_job(world: int, *, resumed_world: int | None = None, flag: bool = True,
+                 compute=lambda rank, step, resumed: 1.0, stops=lambda rank, step: False) -> tuple[list, RunWatch]:
+    """A job that steps once a second to step 99, restarts (5 s) and resumes from the checkpoint of
+    step 50 to 129 on ``resumed_world`` ranks; ``flag``: stage 1 marks each rank's first progress
+    after the restart. ``stops(rank, step)``: a rank of the first run silent from there on."""
+    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+    alerts, t = [], 0.0
+    for steps, n in ((range(100), world), (range(50, 130), resumed_world or world)):
+        resumed = steps.start > 0
+        t += 5.0
+        for step in steps:
+            t += 1.0
+            for rank in range(n):
+                if not resumed and stops(rank, step):
+                    continue
+                p = _progress(rank, step, n, ts=t, compute_time_s=compute(rank, step, resumed))
+                alerts += watcher.observe(watch, dataclasses.replace(p, restarted=flag and resumed and step == 50), now=t)
+            alerts += watcher.tick(watch, now=t + 0.5)
+    return alerts, watch
 
-    assert job(flag=True) == []
+
+def test_a_job_resumed_from_an_earlier_checkpoint_is_stepping_not_stalled():
+    # For 50 steps every rank repeats steps it had reached, each new to its new incarnation.
+    assert _resumed_job(4)[0] == []
     # What stage 2 made of it before stage 1 said so: the run stalled until it passed step 99 again.
-    assert [(a.detector, a.status, a.step) for a in job(flag=False)] == [
+    assert [(a.detector, a.status, a.step) for a in _resumed_job(4, flag=False)[0]] == [
         ("stall", "firing", 99), ("stall", "resolved", 100)]
 
 
 def test_a_straggler_in_a_job_resumed_from_an_earlier_checkpoint_is_named_while_it_repeats_steps():
-    # The job restarts after step 99 on a slow node (rank 5) and resumes from the checkpoint of step 50.
+    # The job resumes on a slow node (rank 5).
     def named(flag: bool) -> list:
-        watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
         rng = np.random.default_rng(0)
-        fired, t = [], 0.0
-        for steps in (range(100), range(50, 130)):
-            t += 5.0
-            for step in steps:
-                t += 1.0
-                for rank in range(8):
-                    slow = 0.5 if steps.start and rank == 5 else 0.0
-                    p = _progress(rank, step, 8, ts=t, compute_time_s=1.0 + 0.01 * rng.standard_normal() + slow)
-                    first = flag and steps.start and step == steps.start
-                    fired += watcher.observe(watch, dataclasses.replace(p, restarted=first), now=t)
-                fired += watcher.tick(watch, now=t + 0.5)
-        return [(a.rank, a.step) for a in fired if a.status == "firing" and a.detector == "crossrank"]
+        alerts, _ = _resumed_job(8, flag=flag, compute=lambda rank, step, resumed: (
+            1.0 + 0.01 * rng.standard_normal() + (0.5 if resumed and rank == 5 else 0.0)))
+        return [(a.rank, a.step) for a in alerts if a.status == "firing" and a.detector == "crossrank"]
 
     [(rank, step)] = named(flag=True)
     assert rank == 5 and 50 <= step <= 53
@@ -126,18 +122,9 @@ def test_a_straggler_in_a_job_resumed_from_an_earlier_checkpoint_is_named_while_
 
 
 def test_an_elastic_job_restarted_with_fewer_ranks_is_no_stall_of_the_ranks_it_left():
-    # Rank 3 dies after step 79 (its node failed); the job goes on until it notices, then restarts
-    # from the checkpoint of step 50 on the three nodes left.
-    watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
-    alerts, t = [], 0.0
-    for steps, world in ((range(100), 4), (range(50, 130), 3)):
-        t += 5.0
-        for step in steps:
-            t += 1.0
-            for rank in range(world if world == 3 or step < 80 else 3):
-                p = _progress(rank, step, world, ts=t, compute_time_s=1.0)
-                alerts += watcher.observe(watch, dataclasses.replace(p, restarted=world == 3 and step == 50), now=t)
-            alerts += watcher.tick(watch, now=t + 0.5)
+    # Rank 3 dies after step 79 (its node failed); the job goes on until it notices, then resumes on
+    # the three nodes left.
+    alerts, watch = _resumed_job(4, resumed_world=3, stops=lambda rank, step: rank == 3 and step >= 80)
     assert [(a.detector, a.status, a.rank) for a in alerts] == [("stall", "firing", 3), ("stall", "resolved", 3)]
     assert alerts[1].message == "steps on rank 3: the run restarted with 3 ranks; resolved at step 50"
     assert watch.world_size == 3 and 3 not in watch.last_step
