@@ -34,6 +34,7 @@ def _generated() -> dict[str, np.ndarray]:
     t = np.arange(n)
     return {
         "noise": 1.0 + 0.01 * rng.normal(size=n),
+        "trending": 5.0 * np.exp(-t / 800) + 0.01 * rng.normal(size=n),
         "bursty": np.where(rng.random(n) < 0.05, 3.0, 1.0) * rng.lognormal(0, 0.1, n),
         "seasonal": 2.0 + np.sin(t * 2 * np.pi / 50) + rng.normal(0, 0.3, n),
         "shift": np.r_[rng.normal(5, 1, n // 2), rng.normal(25, 1, n - n // 2)],
@@ -116,14 +117,27 @@ def test_a_batch_update_is_the_point_by_point_update(name, series):
         _same_state(d.state_dict(), reference.state_dict())
 
 
-@pytest.mark.parametrize("name", ["spike", "spike_tail_both", "blowup"])
-def test_the_one_point_path_takes_the_usual_point(name):
+def _usual(shape: str) -> np.ndarray:
+    rng, t = np.random.default_rng(5), np.arange(1200)
+    noise = 0.01 * rng.normal(size=len(t))
+    if shape == "trending":  # a loss on its way down
+        return 5.0 * np.exp(-t / 800) + noise
+    if shape == "periodic":  # an evaluation pause every 50 steps
+        return 1.0 + np.where(t % 50 == 0, 0.3, 0.0) + noise
+    return 1.0 + noise
+
+
+@pytest.mark.parametrize(("name", "shape"), [("spike", "noise"), ("spike_tail_both", "noise"), ("blowup", "noise"),
+                                             ("spike", "trending"), ("spike", "periodic"), ("spike_tail_both", "periodic")])
+def test_the_one_point_path_takes_the_usual_point(name, shape):
     # The tests above compare it with the array path only if points one at a time take it: a warm
-    # detector on plain noise, past its warm-up, must answer nearly every point there.
+    # detector past its warm-up must answer nearly every point there, on plain noise, on a series
+    # it follows with its line, and on one it judges against its period.
     d = DETECTORS[name]()
-    x = 1.0 + 0.01 * np.random.default_rng(5).normal(size=600)
-    d.update(x[:200])
-    taken = [d._update_one(float(v)) is not None for v in x[200:]]
+    x = _usual(shape)
+    d.update(x[:600])
+    assert (d.trending, bool(d.period)) == (shape == "trending", shape == "periodic")
+    taken = [d._update_one(float(v)) is not None for v in x[600:]]
     assert sum(taken) >= 0.9 * len(taken)
 
 

@@ -42,9 +42,17 @@ def median_rows(rows: np.ndarray) -> np.ndarray:
     return 0.5 * (part[:, (n - 1) // 2] + part[:, n // 2])
 
 
-def _median_sorted(ordered: list[float]) -> float:
+def median_sorted(ordered: list[float]) -> float:
+    """``median_rows`` of one sorted row, in plain Python (per-point numpy calls cost more)."""
     n = len(ordered)
     return (ordered[(n - 1) // 2] + ordered[n // 2]) * 0.5
+
+
+def mad_sigma(ordered: list[float], median: float | None = None) -> float:
+    """The MAD-sigma of sorted values around ``median`` (by default theirs), in plain Python."""
+    if median is None:
+        median = median_sorted(ordered)
+    return median_sorted(sorted([abs(v - median) for v in ordered])) / MAD_TO_SIGMA  # two monotone runs
 
 
 def robust_level(history: list[float], min_scale: float) -> tuple[float, float]:
@@ -52,8 +60,9 @@ def robust_level(history: list[float], min_scale: float) -> tuple[float, float]:
 
     The sigma is floored at ``min_scale`` absolutely and relative to the median.
     """
-    median = _median_sorted(sorted(history))
-    sigma = _median_sorted(sorted([abs(v - median) for v in history])) / MAD_TO_SIGMA
+    ordered = sorted(history)
+    median = median_sorted(ordered)
+    sigma = mad_sigma(ordered, median)
     return median, max(sigma, min_scale, min_scale * abs(median))
 
 

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from rankwatch.stream_processors.detectors.scoring import median_rows
+from rankwatch.stream_processors.detectors.scoring import median_rows, median_sorted
 
 #: Autocorrelation of the differences at the period needed to call it one.
 MIN_ACF = 0.3
@@ -35,6 +35,12 @@ def phase_baseline(series: np.ndarray, period: int, start: int) -> np.ndarray:
     j = np.arange(start, len(series))
     back = np.stack([series[j - period], series[j - 2 * period], series[j - 3 * period]])
     return np.median(back, axis=0)
+
+
+def phase_one(series: list[float], j: int, period: int) -> float:
+    """``phase_baseline`` of index ``j`` alone, in plain Python: the middle of three is exact."""
+    a, b, c = series[j - period], series[j - 2 * period], series[j - 3 * period]
+    return max(min(a, b), min(max(a, b), c))
 
 
 def phase_helps(history: np.ndarray, period: int, window: int) -> bool:
@@ -112,6 +118,17 @@ def local_line(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     t = np.arange(n) - 0.5 * (n - 1)
     detrended = rows - slope[:, None] * t
     level = median_rows(detrended)
+    return level + slope * 0.5 * (n + 1), detrended
+
+
+def local_line_one(row: list[float]) -> tuple[float, list[float]]:
+    """``local_line`` of one row, in plain Python: the same arithmetic, so the same floats."""
+    n = len(row)
+    half = n // 2
+    slope = (median_sorted(sorted(row[n - half :])) - median_sorted(sorted(row[:half]))) / (n - half)
+    mid = 0.5 * (n - 1)
+    detrended = [v - slope * (i - mid) for i, v in enumerate(row)]
+    level = median_sorted(sorted(detrended))
     return level + slope * 0.5 * (n + 1), detrended
 
 

@@ -10,14 +10,23 @@ from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
 from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
 from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, at_new_level, score_runs
-from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
+from rankwatch.stream_processors.detectors.seasonal import (
+    detect_period,
+    local_line,
+    local_line_one,
+    phase_baseline,
+    phase_one,
+    trend_helps,
+)
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
     SmallestStep,
     check_direction,
     directed,
     directed_one,
+    mad_sigma,
     median_rows,
+    median_sorted,
     resolution,
     standardise,
     standardise_one,
@@ -193,6 +202,15 @@ class RobustSpike(Detector):
     def _adjust_one(self, z: float, point: float, center: float) -> float:
         return z
 
+    def _center_scale_one(self, rows: list[float]) -> tuple[float, float]:
+        """``_center_scale`` of one row (no line), in plain Python: the same order statistics."""
+        ordered = sorted(rows)
+        median = median_sorted(ordered)
+        scale = mad_sigma(ordered, median)
+        if self.tail > 0.5:
+            scale = max(scale, tail_sigma_sorted(ordered, median, self.tail, self.direction))
+        return median, max(scale, self._floor_one(median))
+
     def _z_stretch(self, series: np.ndarray, first: int) -> np.ndarray:
         """Signed z of ``series[first:]`` (``first >= warmup``), each against the points before it.
 
@@ -254,19 +272,24 @@ class RobustSpike(Detector):
                 return None  # its z teaches the tail model: the general path
             self._smallest.forget()  # found afresh once judging begins
             return self._learn_one(self._transform_one(value), 0.0, 0.0)
-        if self.period or self.trending:
-            return None
         x = self._transform_one(value)
-        rows = history[-self.window :]
-        ordered = sorted(rows)
-        lo, hi = (len(ordered) - 1) // 2, len(ordered) // 2
-        median = 0.5 * (ordered[lo] + ordered[hi])
-        spread = sorted([abs(v - median) for v in ordered])  # two monotone runs: cheap to sort
-        scale = 0.5 * (spread[lo] + spread[hi]) / MAD_TO_SIGMA
-        if self.tail > 0.5:
-            scale = max(scale, tail_sigma_sorted(ordered, median, self.tail, self.direction))
-        scale = max(scale, self._floor_one(median), self._resolution_floor_one(history))
-        z = self._adjust_one(standardise_one(x, median, scale), x, median)
+        p, w = self.period, self.window
+        if p and len(history) >= 3 * p + w:  # as ``_z_stretch``: against the phase, in the residuals' unit
+            first = len(history)
+            base = [phase_one(history, j, p) for j in range(first - w, first + 1)]
+            middle, scale = self._center_scale_one([history[j] - b for j, b in zip(range(first - w, first), base)])
+            center = base[-1] + middle
+            scale = max(scale, self._floor_one(center))
+        else:
+            rows = history[-w:]
+            if self.trending and len(rows) == w:
+                center, detrended = local_line_one(rows)
+                scale = mad_sigma(sorted(detrended))
+                scale = max(scale, self._floor_one(center))
+            else:
+                center, scale = self._center_scale_one(rows)
+        scale = max(scale, self._resolution_floor_one(history))
+        z = self._adjust_one(standardise_one(x, center, scale), x, center)
         if not abs(z) < SHIFT_Z:
             return None
         deviation = directed_one(z, self.direction)
