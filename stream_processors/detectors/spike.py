@@ -260,17 +260,17 @@ class RobustSpike(Detector):
         self.update(values)
 
     def _update_one(self, value: float) -> float | None:
-        """``update`` of one point in plain Python, in the usual case: warm, no period or line, less
-        than 4 sigmas off and under the threshold. At one step per message numpy's fixed cost per
+        """``update`` of one point in plain Python, in the usual case: less than 4 sigmas off (or
+        still warming up) and under the threshold. At one step per message numpy's fixed cost per
         call was nearly all of a detector's time (issue 16). Anything else returns None having
         changed nothing, and takes the general path."""
         if not math.isfinite(value):
             return 0.0  # as there: scored 0 and not learned
         history = self.history
-        if len(history) < self.warmup:  # warming up: learned, not judged
-            if len(history) >= self._teach_from:
-                return None  # its z teaches the tail model: the general path
-            self._smallest.forget()  # found afresh once judging begins
+        # Warming up, a point is learned, not judged; from ``_teach_from`` on its z teaches the tail model.
+        teaching = len(history) < self.warmup
+        if teaching and len(history) < self._teach_from:
+            self._smallest.forget()  # found afresh once z is
             return self._learn_one(self._transform_one(value), 0.0, 0.0)
         x = self._transform_one(value)
         p, w = self.period, self.window
@@ -290,12 +290,15 @@ class RobustSpike(Detector):
                 center, scale = self._center_scale_one(rows)
         scale = max(scale, self._resolution_floor_one(history))
         z = self._adjust_one(standardise_one(x, center, scale), x, center)
-        if not abs(z) < SHIFT_Z:
+        if not (teaching or abs(z) < SHIFT_Z):
             return None
         deviation = directed_one(z, self.direction)
         score = 1.0 - self.calib.survival(deviation)
         if score >= self.threshold:
-            return None
+            return None  # learned clipped to the threshold's quantile: the general path
+        if teaching:
+            self.calib.learn(deviation)
+            return self._learn_one(x, 0.0, 0.0)
         # What the general path does to a quiet point: no continuation, no run, no alarm.
         self.calib.learn(deviation)
         self.run = 0
