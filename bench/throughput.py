@@ -44,7 +44,7 @@ from rankwatch import contract
 from rankwatch.broker import free_port
 from rankwatch.contract import TelemetryBatch
 from rankwatch.settings import Settings
-from rankwatch.sim import QuietRanks, produce
+from rankwatch.sim import SHAPES, QuietRanks, produce
 from rankwatch.stack import Stack
 
 
@@ -147,7 +147,7 @@ def trial(args, workers: int) -> dict:
         stack.n_workers = workers
         run = f"tp-{time.time_ns()}"
         sim = QuietRanks(run=run, ranks=args.ranks, metrics=args.metrics, steps_per_message=args.steps,
-                         binary=args.format == "binary")
+                         binary=args.format == "binary", shape=args.shape)
         print(f"[{workers} worker(s)] preloading {args.ranks * args.messages:,} messages …", flush=True)
         msgs = (m for tick in range(args.messages) for m in sim.messages(tick, final=tick == args.messages - 1))
         sent = produce(stack.bootstrap, msgs)
@@ -174,7 +174,7 @@ def profile_stage1(args) -> None:
     from rankwatch.stream_processors.tables import STATE_CODEC
 
     sim = QuietRanks(run="profile", ranks=args.ranks, metrics=args.metrics, steps_per_message=args.steps,
-                     binary=args.format == "binary")
+                     binary=args.format == "binary", shape=args.shape)
     raw = [v for tick in range(args.messages) for _, v in sim.messages(tick, final=tick == args.messages - 1)]
     processor = TelemetryProcessor()
 
@@ -235,6 +235,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1])
     ap.add_argument("--format", choices=["json", "binary"], default="json",
                     help="the simulated ranks' wire format (binary: schema 2, what RankPublisher writes)")
+    ap.add_argument("--shape", choices=SHAPES, default="flat",
+                    help="training: the loss and grad norm fall as in a real run (rankwatch.sim)")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--profile", nargs="?", const="cprofile", choices=["cprofile", "pyinstrument"],
                     help="profile stage 1 in this process, no broker (pyinstrument: if installed)")
@@ -246,7 +248,7 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, {os.cpu_count()} CPUs, "
           f"load {load[0]:.1f}/{load[1]:.1f}; {args.ranks} ranks x {args.messages} messages x "
-          f"({args.steps} steps x {args.metrics} metrics), {args.partitions} partitions; M values/s")
+          f"({args.steps} steps x {args.metrics} metrics), {args.partitions} partitions, {args.shape} series; M values/s")
     print("| workers | values | plain read+decode (wall) | contract decode (cpu) | worker (wall) | worker (per cpu-s) "
           "| worker/plain (wall) |")
     print("|---|---|---|---|---|---|---|")

@@ -4,7 +4,9 @@
 rank per tick holding ``steps_per_message`` consecutive steps, encoded exactly as the contract says
 (``TelemetryBatch.to_bytes``), keyed by (run, rank). Values are quiet on purpose: a level per
 (rank, metric) plus *bounded* noise (uniform, ±0.5%), so no detector has a reason to fire on
-them and any alert on a quiet rank is a false one. Faults are opt-in per (rank, step): ``nan``,
+them and any alert on a quiet rank is a false one. With ``shape="training"`` the loss and grad norm
+fall as in a real run (three times their level at step 0, decaying over a few thousand steps), which
+the detectors follow with a line instead of a rolling median. Faults are opt-in per (rank, step): ``nan``,
 ``spike`` (the value times 50) and ``slow`` (compute time times 1.5: a straggler).
 
 ``paced`` publishes ticks at a rate through a plain producer (not the worker's code), as a separate
@@ -32,6 +34,11 @@ from rankwatch.security import PLAINTEXT, KafkaSecurity
 #: the rest are plain gauges, as trainers log dozens of (per-layer norms, memory, learning rate).
 NAMED_METRICS = ("loss", "grad_norm", "compute_time_s", "samples_per_s", "data_wait_s", "lr", "mem_gb")
 
+SHAPES = ("flat", "training")
+#: What falls in the "training" shape, and over how many steps it falls by a factor e.
+FALLING = ("loss", "grad_norm")
+DECAY_STEPS = 2000.0
+
 
 def metric_names(m: int) -> list[str]:
     """``m`` metric names: the named ones first, then ``layer{i}/weight_norm`` gauges."""
@@ -50,6 +57,7 @@ class QuietRanks:
     seed: int = 0
     producer: str = "sim"
     binary: bool = False  # the columnar form (schema 2), as ``RankPublisher`` writes, instead of JSON
+    shape: str = "flat"  # or "training": loss and grad norm decay (see above)
     #: (rank, step) -> "nan" | "spike" | "slow"; applied to the first metric ("slow": compute_time_s)
     faults: dict[tuple[int, int], str] = field(default_factory=dict)
 
@@ -61,11 +69,16 @@ class QuietRanks:
         self.levels = rng.uniform(0.5, 2.0, size=self.metrics)
         if "compute_time_s" in self.names:
             self.levels[self.names.index("compute_time_s")] = 0.2
+        if self.shape not in SHAPES:
+            raise ValueError(f"shape must be one of {SHAPES}, not {self.shape!r}")
+        self.falling = [i for i, name in enumerate(self.names) if self.shape == "training" and name in FALLING]
 
     def values(self, rank: int, tick: int, steps: np.ndarray) -> np.ndarray:
         """(metrics, len(steps)) values of ``rank``: a function of (seed, rank, tick), so replays agree."""
         rng = np.random.default_rng((self.seed, rank, tick))
         out = self.levels[:, None] * (1.0 + rng.uniform(-0.005, 0.005, size=(self.metrics, len(steps))))
+        if self.falling:
+            out[self.falling] *= 1.0 + 2.0 * np.exp(-steps / DECAY_STEPS)
         for j, step in enumerate(steps.tolist()):
             fault = self.faults.get((rank, step))
             if fault == "nan":

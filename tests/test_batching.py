@@ -21,7 +21,7 @@ import pytest
 from rankwatch.contract import RUN_EVENTS, ProgressBatch, RankProgress, Series, TelemetryBatch, decode_run_event
 from rankwatch.sim import QuietRanks
 from rankwatch.stream_processors.batching import process_batch, process_in_parts
-from rankwatch.stream_processors.processor import TelemetryProcessor
+from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -132,6 +132,22 @@ def test_sim_scenario_raises_each_injected_fault():
     found = {(e.alert.detector, e.alert.metric) for e in replay_pipeline(batches, Rules.load(None), run).emitted
              if e.alert.status == "firing"}
     assert {("nonfinite", "loss"), ("spike", "loss"), ("crossrank", "compute_time_s"), ("stall", "steps")} <= found
+
+
+def test_the_training_shape_is_quiet_and_followed_by_a_line():
+    # The benches' "training" ranks (``--shape training``) stand for a real run: their falling loss and
+    # grad norm raise nothing, and the spike detectors judge them against a line (the path a real run
+    # takes), while a spike on top of the fall is still caught.
+    sim = QuietRanks(run="training", ranks=3, metrics=8, shape="training", faults={(1, 700): "spike"})
+    batches = [sim.batch(rank, tick, ts=1000.0 + tick, final=tick == 799) for tick in range(800) for rank in range(3)]
+    emitted = replay_pipeline(batches, Rules.load(None), sim.run).emitted
+    assert {(e.alert.detector, e.alert.metric, e.alert.rank) for e in emitted if e.alert.status == "firing"} == {
+        ("spike", "loss", 1)}
+    processor, states = TelemetryProcessor(), {}
+    for b in batches[:900]:
+        state = states.setdefault(b.rank, RankState())
+        processor.process(state, b, 0.0)
+    assert all(states[r].metrics[m].detectors["spike"].trending for r in range(3) for m in ("loss", "grad_norm"))
 
 
 def _progress(rank: int, step: int, run: str = "r") -> TelemetryBatch:
