@@ -248,7 +248,8 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, {os.cpu_count()} CPUs, "
           f"load {load[0]:.1f}/{load[1]:.1f}; {args.ranks} ranks x {args.messages} messages x "
-          f"({args.steps} steps x {args.metrics} metrics), {args.partitions} partitions, {args.shape} series; M values/s")
+          f"({args.steps} steps x {args.metrics} metrics), {args.partitions} partitions, {args.shape} series; "
+          "M values/s")
     print("| workers | values | plain read+decode (wall) | contract decode (cpu) | worker (wall) | worker (per cpu-s) "
           "| worker/plain (wall) |")
     print("|---|---|---|---|---|---|---|")
