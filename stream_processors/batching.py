@@ -83,6 +83,7 @@ def process_in_parts(
     let its event loop run there; the last output yielded is the whole batch's, and the same."""
     out = Stage1Output()
     progress: dict[str, list[RankProgress]] = {}  # run -> progress not sent yet, in order
+    learned = []  # the detectors that learned, whose tail models may be due for a refit
 
     def flush(run: str) -> None:
         out.messages.extend(_progress_messages(run, progress.pop(run, [])))
@@ -116,6 +117,7 @@ def process_in_parts(
             continue
         out.states[key] = state
         out.applied += 1
+        learned += result.learned
         if result.arrived_late:
             out.late.append((key, batch.seq))
         if signals:
@@ -126,7 +128,7 @@ def process_in_parts(
         out.messages.extend(rollups)
     for run in list(progress):
         flush(run)
-    fit_due_models(out.states.values())  # once per batch: 100 models fitted together cost what two alone do
+    fit_due_models(learned)  # once per batch: 100 models fitted together cost what two alone do
     yield out
 
 
