@@ -35,7 +35,7 @@ from rankwatch.broker import free_port
 from rankwatch.contract import Alert, UrgentTelemetry
 from rankwatch.producers import RankPublisher
 from rankwatch.settings import Settings
-from rankwatch.sim import QuietRanks, paced
+from rankwatch.sim import SHAPES, QuietRanks, paced
 from rankwatch.stack import Stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,9 +45,10 @@ WARMUP_STEPS = 20  # detectors warm up, and the worker joins, before the first N
 
 
 def _simulate(bootstrap: str, run: str, ranks: int, metrics: int, ticks: int, start_at: float,
-              binary: bool = False) -> None:
+              binary: bool = False, shape: str = "flat") -> None:
     time.sleep(max(0.0, start_at - time.time()))
-    sim = QuietRanks(run=run, ranks=ranks, first_rank=1, world_size=ranks + 1, metrics=metrics, binary=binary)
+    sim = QuietRanks(run=run, ranks=ranks, first_rank=1, world_size=ranks + 1, metrics=metrics, binary=binary,
+                     shape=shape)
     paced(bootstrap, [sim], hz=1.0, ticks=ticks)
 
 
@@ -98,7 +99,8 @@ class AlertWatch(threading.Thread):
                 self.lane_at.setdefault(step, now)
 
 
-def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int, binary: bool = False) -> dict:
+def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int, binary: bool = False,
+            shape: str = "flat") -> dict:
     run = f"scale-{ranks}-{time.time_ns()}"
     ticks = WARMUP_STEPS + trials * gap + 3
     watch = AlertWatch(bootstrap, run)
@@ -106,9 +108,9 @@ def measure(bootstrap: str, ranks: int, metrics: int, trials: int, gap: int, bin
     watch.ready.wait(30)
     start_at = time.time() + 2.0  # the simulator process imports and connects meanwhile
     sim = multiprocessing.get_context("spawn").Process(
-        target=_simulate, args=(bootstrap, run, ranks, metrics, ticks, start_at, binary), daemon=True)
+        target=_simulate, args=(bootstrap, run, ranks, metrics, ticks, start_at, binary, shape), daemon=True)
     sim.start()
-    me = QuietRanks(run=run, ranks=1, world_size=ranks + 1, metrics=metrics)
+    me = QuietRanks(run=run, ranks=1, world_size=ranks + 1, metrics=metrics, shape=shape)
     publisher = RankPublisher(run=run, rank=0, world_size=ranks + 1, bootstrap=bootstrap, samplers=[])
     sent_at: dict[int, float] = {}
     time.sleep(max(0.0, start_at - time.time()))
@@ -152,16 +154,20 @@ def main() -> None:
     ap.add_argument("--no-prometheus", action="store_true", help="skip the Prometheus + Alertmanager baseline")
     ap.add_argument("--format", choices=["json", "binary"], default="json",
                     help="the quiet ranks' wire format (rank 0's publisher writes binary, its default)")
+    ap.add_argument("--shape", choices=SHAPES, default="flat",
+                    help="training: every rank's loss and grad norm fall as in a real run (rankwatch.sim)")
     args = ap.parse_args()
     settings = Settings(data_dir=f"/tmp/rankwatch-scale-{time.time_ns()}", partitions=args.partitions)
     rows = []
     with Stack(settings, embedded=True, port=free_port()) as stack:
         for n in args.ranks:
             print(f"measuring {n} quiet ranks + 1 publisher, {args.trials} NaNs …", flush=True)
-            rows.append(measure(stack.bootstrap, n, args.metrics, args.trials, args.gap_steps, args.format == "binary"))
+            rows.append(measure(stack.bootstrap, n, args.metrics, args.trials, args.gap_steps, args.format == "binary",
+                                args.shape))
     load = os.getloadavg()
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load {load[0]:.1f}/{load[1]:.1f}; "
-          f"NaN-to-alert, 1 worker, {args.metrics} metrics per rank, 1 step/s, quiet ranks in {args.format}")
+          f"NaN-to-alert, 1 worker, {args.metrics} metrics per rank, 1 step/s, quiet ranks in {args.format}, "
+          f"{args.shape} series")
     print("| quiet ranks | values/s | NaNs | missed | p50 ms | p99 ms | max ms | readable on rankwatch.urgent p50 / p99 ms "
           "| to the worker's alert p50 / p99 ms | the alert to its reader p50 / p99 ms | alerts on quiet ranks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -42,13 +42,15 @@ from kafka import KafkaConsumer, TopicPartition
 from rankwatch import contract
 from rankwatch.broker import free_port
 from rankwatch.settings import Settings
-from rankwatch.sim import QuietRanks, paced
+from rankwatch.sim import SHAPES, QuietRanks, paced
 from rankwatch.stack import Stack
 
 
-def _publish(bootstrap: str, run: str, ranks: int, metrics: int, ticks: int, binary: bool, start_at: float) -> None:
+def _publish(bootstrap: str, run: str, ranks: int, metrics: int, ticks: int, binary: bool, start_at: float,
+             shape: str = "flat") -> None:
     time.sleep(max(0.0, start_at - time.time()))
-    paced(bootstrap, [QuietRanks(run=run, ranks=ranks, metrics=metrics, binary=binary)], hz=1.0, ticks=ticks)
+    paced(bootstrap, [QuietRanks(run=run, ranks=ranks, metrics=metrics, binary=binary, shape=shape)], hz=1.0,
+          ticks=ticks)
 
 
 class RunReader(threading.Thread):
@@ -131,10 +133,10 @@ def soak(args) -> dict:
         started = time.time() + 5.0  # the publisher's process imports and connects meanwhile
         publisher = multiprocessing.get_context("spawn").Process(
             target=_publish, daemon=True,
-            args=(stack.bootstrap, run, args.ranks, args.metrics, ticks, args.format == "binary", started))
+            args=(stack.bootstrap, run, args.ranks, args.metrics, ticks, args.format == "binary", started, args.shape))
         publisher.start()
         print(f"{args.ranks} ranks x {args.metrics} metrics at 1 Hz for {args.minutes} min on {args.broker}, "
-              f"{args.workers} worker(s), {args.partitions} partitions", flush=True)
+              f"{args.workers} worker(s), {args.partitions} partitions, {args.shape} series", flush=True)
         print("| min | sent | worker RSS MB | worker CPU % | broker CPU % | publisher CPU % | host busy % | stolen % "
               "| lag s | alerts |", flush=True)
         print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -216,6 +218,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--format", choices=["json", "binary"], default="binary", help="the ranks' wire format")
+    ap.add_argument("--shape", choices=SHAPES, default="flat",
+                    help="training: the loss and grad norm fall as in a real run (rankwatch.sim)")
     ap.add_argument("--every-s", type=float, default=30.0, help="seconds between rows")
     ap.add_argument("--warmup-min", type=float, default=2.0, help="minutes left out of the RSS growth and max lag")
     ap.add_argument("--drain-s", type=float, default=900.0,
