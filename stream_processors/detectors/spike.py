@@ -157,6 +157,9 @@ class RobustSpike(Detector):
         # (``runs.score_runs``).
         self.pairs = [float(v) for v in pairs]
         self._smallest = SmallestStep()  # for ``_resolution_floor_one``; not state
+        # (seen, period, residuals): against the phase, the residuals of the window before the point
+        # after ``seen`` learned points, for the one-point path to carry on; not state
+        self._residuals: tuple[int, int, list[float]] | None = None
         counts, pending = calib if calib else (prior_counts(half_normal_sf, PRIOR_WEIGHT), [])
         self.calib = TailModel(counts, pending, memory=memory)
 
@@ -270,16 +273,23 @@ class RobustSpike(Detector):
         # Warming up, a point is learned, not judged; from ``_teach_from`` on its z teaches the tail model.
         teaching = len(history) < self.warmup
         if teaching and len(history) < self._teach_from:
-            self._smallest.forget()  # found afresh once z is
+            self._smallest.forget()  # found afresh when a z first needs it
             return self._learn_one(self._transform_one(value), 0.0, 0.0)
         x = self._transform_one(value)
         p, w = self.period, self.window
+        phased = None
         if p and len(history) >= 3 * p + w:  # as ``_z_stretch``: against the phase, in the residuals' unit
             first = len(history)
-            base = [phase_one(history, j, p) for j in range(first - w, first + 1)]
-            middle, scale = self._center_scale_one([history[j] - b for j, b in zip(range(first - w, first), base)])
-            center = base[-1] + middle
+            here = phase_one(history, first, p)
+            kept = self._residuals
+            if kept is not None and kept[:2] == (self.seen, p):
+                residuals = kept[2]
+            else:
+                residuals = [history[j] - phase_one(history, j, p) for j in range(first - w, first)]
+            middle, scale = self._center_scale_one(residuals)
+            center = here + middle
             scale = max(scale, self._floor_one(center))
+            phased = residuals, here
         else:
             rows = history[-w:]
             if self.trending and len(rows) == w:
@@ -302,6 +312,8 @@ class RobustSpike(Detector):
         # What the general path does to a quiet point: no continuation, no run, no alarm.
         self.calib.learn(deviation)
         self.run = 0
+        if phased is not None:  # the next point's window of residuals: this one's, moved on by x's
+            self._residuals = (self.seen + 1, p, phased[0][1:] + [x - phased[1]])
         return self._learn_one(x, z, score)
 
     def _learn_one(self, x: float, z: float, score: float) -> float:
