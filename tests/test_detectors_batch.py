@@ -127,8 +127,10 @@ def _usual(shape: str) -> np.ndarray:
     return 1.0 + noise
 
 
-@pytest.mark.parametrize(("name", "shape"), [("spike", "noise"), ("spike_tail_both", "noise"), ("blowup", "noise"),
-                                             ("spike", "trending"), ("spike", "periodic"), ("spike_tail_both", "periodic")])
+@pytest.mark.parametrize(("name", "shape"), [
+    ("spike", "noise"), ("spike_tail_both", "noise"), ("blowup", "noise"),
+    ("spike", "trending"), ("spike", "periodic"), ("spike_tail_both", "periodic"),
+])
 def test_the_one_point_path_takes_the_usual_point(name, shape):
     # The tests above compare it with the array path only if points one at a time take it: a warm
     # detector past its warm-up must answer nearly every point there, on plain noise, on a series
