@@ -82,12 +82,9 @@ class Rules:
 
     def cross_rank_rule(self, metric: str) -> Rule | None:
         """The first ``crossrank`` rule for ``metric``: stage 1 forwards its values to stage 2."""
-        try:
-            return self._cross[metric]
-        except KeyError:
-            found = self._cross[metric] = next(
-                (r for r in self.rules if r.detector == "crossrank" and r.matches(metric)), None)
-            return found
+        if metric not in self._cross:
+            self._cross[metric] = next((r for r in self.rules if r.detector == "crossrank" and r.matches(metric)), None)
+        return self._cross[metric]
 
     @property
     def stall(self) -> Rule | None:

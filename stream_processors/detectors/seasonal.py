@@ -122,14 +122,14 @@ def local_line(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def local_line_one(row: list[float]) -> tuple[float, list[float]]:
-    """``local_line`` of one row, in plain Python: the same arithmetic, so the same floats."""
+    """``local_line`` of one row, in plain Python: the same arithmetic, so the same floats. The row
+    around its line comes sorted, as its median and MAD need it."""
     n = len(row)
     half = n // 2
     slope = (median_sorted(sorted(row[n - half :])) - median_sorted(sorted(row[:half]))) / (n - half)
     mid = 0.5 * (n - 1)
-    detrended = [v - slope * (i - mid) for i, v in enumerate(row)]
-    level = median_sorted(sorted(detrended))
-    return level + slope * 0.5 * (n + 1), detrended
+    detrended = sorted([v - slope * (i - mid) for i, v in enumerate(row)])
+    return median_sorted(detrended) + slope * 0.5 * (n + 1), detrended
 
 
 #: Points of history the line and the median are compared on.

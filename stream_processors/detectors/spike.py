@@ -10,30 +10,19 @@ from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
 from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
 from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, at_new_level, score_runs
-from rankwatch.stream_processors.detectors.seasonal import (
-    detect_period,
-    local_line,
-    local_line_one,
-    phase_baseline,
-    phase_one,
-    trend_helps,
-)
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
     SmallestStep,
     check_direction,
     directed,
-    directed_one,
-    mad_sigma,
     median_rows,
-    median_sorted,
     resolution,
     standardise,
-    standardise_one,
     tail_sigma,
-    tail_sigma_sorted,
     trailing_windows,
 )
+from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
+from rankwatch.stream_processors.detectors.spike_point import OnePoint
 
 #: Pseudo-points of the half-normal prior a fresh tail model starts from.
 PRIOR_WEIGHT = 50.0
@@ -41,7 +30,7 @@ PRIOR_WEIGHT = 50.0
 PERIOD_EVERY = 64
 
 
-class RobustSpike(Detector):
+class RobustSpike(OnePoint, Detector):
     """Spikes against a rolling median/MAD, scored by how rare such a deviation is on this series.
 
     A point's robust z is its distance from the median of the last ``window`` finite points in
@@ -194,26 +183,6 @@ class RobustSpike(Detector):
         """Hook on the signed z of ``points`` around their predicted ``center`` (``Blowup`` caps small jumps)."""
         return z
 
-    # The three hooks above for one point, in plain Python: at one step per message numpy's fixed
-    # cost per call on a one-element array was a fifth of the one-point path. Same arithmetic.
-    def _transform_one(self, value: float) -> float:
-        return value
-
-    def _floor_one(self, median: float) -> float:
-        return max(self.min_scale, self.min_scale * abs(median))
-
-    def _adjust_one(self, z: float, point: float, center: float) -> float:
-        return z
-
-    def _center_scale_one(self, rows: list[float]) -> tuple[float, float]:
-        """``_center_scale`` of one row (no line), in plain Python: the same order statistics."""
-        ordered = sorted(rows)
-        median = median_sorted(ordered)
-        scale = mad_sigma(ordered, median)
-        if self.tail > 0.5:
-            scale = max(scale, tail_sigma_sorted(ordered, median, self.tail, self.direction))
-        return median, max(scale, self._floor_one(median))
-
     def _z_stretch(self, series: np.ndarray, first: int) -> np.ndarray:
         """Signed z of ``series[first:]`` (``first >= warmup``), each against the points before it.
 
@@ -261,74 +230,6 @@ class RobustSpike(Detector):
 
     def learn(self, values: np.ndarray) -> None:
         self.update(values)
-
-    def _update_one(self, value: float) -> float | None:
-        """``update`` of one point in plain Python, in the usual case: less than 4 sigmas off (or
-        still warming up) and under the threshold. At one step per message numpy's fixed cost per
-        call was nearly all of a detector's time (issue 16). Anything else returns None having
-        changed nothing, and takes the general path."""
-        if not math.isfinite(value):
-            return 0.0  # as there: scored 0 and not learned
-        history = self.history
-        # Warming up, a point is learned, not judged; from ``_teach_from`` on its z teaches the tail model.
-        teaching = len(history) < self.warmup
-        if teaching and len(history) < self._teach_from:
-            self._smallest.forget()  # found afresh when a z first needs it
-            return self._learn_one(self._transform_one(value), 0.0, 0.0)
-        x = self._transform_one(value)
-        p, w = self.period, self.window
-        phased = None
-        if p and len(history) >= 3 * p + w:  # as ``_z_stretch``: against the phase, in the residuals' unit
-            first = len(history)
-            here = phase_one(history, first, p)
-            kept = self._residuals
-            if kept is not None and kept[:2] == (self.seen, p):
-                residuals = kept[2]
-            else:
-                residuals = [history[j] - phase_one(history, j, p) for j in range(first - w, first)]
-            middle, scale = self._center_scale_one(residuals)
-            center = here + middle
-            scale = max(scale, self._floor_one(center))
-            phased = residuals, here
-        else:
-            rows = history[-w:]
-            if self.trending and len(rows) == w:
-                center, detrended = local_line_one(rows)
-                scale = mad_sigma(sorted(detrended))
-                scale = max(scale, self._floor_one(center))
-            else:
-                center, scale = self._center_scale_one(rows)
-        scale = max(scale, self._resolution_floor_one(history))
-        z = self._adjust_one(standardise_one(x, center, scale), x, center)
-        if not (teaching or abs(z) < SHIFT_Z):
-            return None
-        deviation = directed_one(z, self.direction)
-        score = 1.0 - self.calib.survival(deviation)
-        if score >= self.threshold:
-            return None  # learned clipped to the threshold's quantile: the general path
-        if teaching:
-            self.calib.learn(deviation)
-            return self._learn_one(x, 0.0, 0.0)
-        # What the general path does to a quiet point: no continuation, no run, no alarm.
-        self.calib.learn(deviation)
-        self.run = 0
-        if phased is not None:  # the next point's window of residuals: this one's, moved on by x's
-            self._residuals = (self.seen + 1, p, phased[0][1:] + [x - phased[1]])
-        return self._learn_one(x, z, score)
-
-    def _learn_one(self, x: float, z: float, score: float) -> float:
-        """The one-point path's end: ``x`` joins the history with ``z`` (0 while warming up); returns ``score``."""
-        self.last_z = z
-        self.history.append(x)
-        del self.history[: -self.span]
-        self._smallest.advance(self.history)
-        self.seen += 1
-        self._look_for_period()
-        return score
-
-    def _resolution_floor_one(self, history: list[float]) -> float:
-        """``_resolution_floor`` of the point after ``history``: half its smallest non-zero step."""
-        return 0.5 * self._smallest.resolution(history)
 
     def _look_for_period(self) -> None:
         """Every ``PERIOD_EVERY`` learned points: a period, else (where allowed) whether a line fits."""
