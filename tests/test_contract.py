@@ -25,6 +25,7 @@ from rankwatch.contract import (
     encode_float,
     telemetry_key,
 )
+from rankwatch.contract.codec import dumps
 from rankwatch.errors import RankwatchError, SchemaError
 
 
@@ -145,6 +146,16 @@ def test_rollup_round_trip():
     back = Rollup.from_bytes(rollup.to_bytes())
     assert math.isnan(back.last)
     assert back == _rollup(last=back.last)
+
+
+def test_rollup_round_trip_with_a_sketch_and_numpy_floats():
+    # Rollups are written by msgspec (codec.dumps_finite), the rest by json: the same JSON either way.
+    rollup = _rollup(p50=np.float64(1.5), p99=math.inf, sketch={"means": [0.25, 1e-05, 3.0], "weights": [1.0, 46.0, 1.0]})
+    data = rollup.to_bytes()
+    fields = {k: encode_float(float(v)) if isinstance(v, float) else v for k, v in vars(rollup).items()}
+    assert json.loads(data) == json.loads(dumps({"schema": SCHEMA_VERSION, "kind": "rollup", **fields}))
+    back = Rollup.from_bytes(data)
+    assert (back.p50, back.p99, back.sketch) == (1.5, math.inf, rollup.sketch)
 
 
 def test_rollup_round_trip_of_an_empty_window():

@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from rankwatch.errors import SchemaError
@@ -69,6 +70,21 @@ def _short(x: Any) -> str:
 
 def dumps(obj: Mapping[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def dumps_finite(obj: Mapping[str, Any]) -> bytes:
+    """``dumps`` for an object whose every float is finite (the caller guarantees it), about five times
+    faster on a rollup's sketch. msgspec writes a NaN as null where ``dumps`` refuses it: no other caller."""
+    return _encode(obj)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, np.generic):  # numpy scalars, which json takes as numbers
+        return x.item()
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
+
+
+_encode = msgspec.json.Encoder(enc_hook=_plain).encode
 
 
 def loads(data: bytes, kind: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from rankwatch.contract.codec import (
     check_event,
     decode_float,
     dumps,
+    dumps_finite,
     encode_float,
     field_of,
     float_field,
@@ -208,9 +209,11 @@ class Rollup:
     def to_bytes(self) -> bytes:
         # Fields read directly: asdict() deep-copies the sketch's lists, which cost more than all the
         # rest of a worker's processing (issue 16); the sketch is not changed here, so no copy is needed.
+        # Its means are finite (a sketch holds finite values; a reader refuses others) and every other
+        # float is encoded here, so the faster encoder may write it: a rollup's JSON was 14% of a worker.
         d = {k: encode_float(v) if isinstance(v, float) else v
              for k in self.__dataclass_fields__ for v in (getattr(self, k),)}
-        return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, **d})
+        return dumps_finite({"schema": SCHEMA_VERSION, "kind": self.KIND, **d})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Rollup:

@@ -222,7 +222,7 @@ class RobustSpike(OnePoint, Detector):
             return scores
         history = np.asarray(self.history)
         finite = np.flatnonzero(np.isfinite(values))
-        z = [self._z_stretch(np.r_[history, self._transform(values[i : i + 1])], len(history))
+        z = [self._z_stretch(np.concatenate((history, self._transform(values[i : i + 1]))), len(history))
              for i in finite.tolist()]
         if z:
             scores[finite] = self.calib.score_many(directed(np.concatenate(z), self.direction))
@@ -266,7 +266,7 @@ class RobustSpike(OnePoint, Detector):
         while done < len(points):
             # A stretch ends where the period is checked again (every PERIOD_EVERY learned points).
             stop = min(len(points), done + PERIOD_EVERY - self.seen % PERIOD_EVERY)
-            series = np.r_[self.history, points[done:stop]]
+            series = np.concatenate((self.history, points[done:stop]))  # np.r_ converted the history twice
             start = len(self.history)
             first = max(start, self.warmup)
             z = np.full(stop - done, np.nan)
