@@ -31,6 +31,8 @@ from rankwatch.contract import Alert, Series, TelemetryBatch
 from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 
+from scratch import scratch_dir
+
 
 def _watch(bootstrap: str, run: str, seen_at: dict[int, float], stop: threading.Event) -> threading.Thread:
     """A thread that notes when each firing nonfinite alert of ``run`` is readable (incident: its step)."""
@@ -169,7 +171,7 @@ def main() -> None:
     if args.bootstrap:
         rows, real = run_all(args.bootstrap)
     else:
-        settings = Settings(data_dir=f"/tmp/rankwatch-bench-{time.time_ns()}")
+        settings = Settings(data_dir=scratch_dir("nan-latency"))
         with Stack(settings, embedded=True, port=free_port()) as stack:
             rows, real = run_all(stack.bootstrap)
     print(f"\nNaN-to-alert latency, 1 worker, step every {args.step_s}s, one batch per rank per step")

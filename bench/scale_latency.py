@@ -40,6 +40,7 @@ from rankwatch.stack import Stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prometheus_baseline import binaries, exit_on_sigterm, measure_prometheus  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 WARMUP_STEPS = 20  # detectors warm up, and the worker joins, before the first NaN
 
@@ -157,7 +158,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=SHAPES, default="flat",
                     help="training: every rank's loss and grad norm fall as in a real run (rankwatch.sim)")
     args = ap.parse_args()
-    settings = Settings(data_dir=f"/tmp/rankwatch-scale-{time.time_ns()}", partitions=args.partitions)
+    settings = Settings(data_dir=scratch_dir("scale-latency"), partitions=args.partitions)
     rows = []
     with Stack(settings, embedded=True, port=free_port()) as stack:
         for n in args.ranks:

@@ -45,6 +45,8 @@ from rankwatch.settings import Settings
 from rankwatch.sim import SHAPES, QuietRanks, paced
 from rankwatch.stack import Stack
 
+from scratch import scratch_dir
+
 
 def _publish(bootstrap: str, run: str, ranks: int, metrics: int, ticks: int, binary: bool, start_at: float,
              shape: str = "flat") -> None:
@@ -118,7 +120,7 @@ def _host_busy() -> tuple[float, float, float]:
 
 
 def soak(args) -> dict:
-    settings = Settings(data_dir=f"/tmp/rankwatch-soak-{time.time_ns()}", partitions=args.partitions,
+    settings = Settings(data_dir=scratch_dir("soak"), partitions=args.partitions,
                         app_id=f"bench-soak-{time.time_ns()}")
     stack = Stack(settings, embedded=True, port=free_port(), workers=args.workers, broker=args.broker,
                   ready_timeout_s=180)

@@ -47,6 +47,8 @@ from rankwatch.settings import Settings
 from rankwatch.sim import SHAPES, QuietRanks, produce
 from rankwatch.stack import Stack
 
+from scratch import scratch_dir
+
 
 def _consumer(bootstrap: str, topic: str) -> tuple[KafkaConsumer, list[TopicPartition]]:
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=20,
@@ -138,7 +140,7 @@ def worker_run(stack: Stack, run: str, ranks: int, timeout_s: float) -> tuple[fl
 
 
 def trial(args, workers: int) -> dict:
-    settings = Settings(data_dir=f"/tmp/rankwatch-throughput-{time.time_ns()}", partitions=args.partitions,
+    settings = Settings(data_dir=scratch_dir("throughput"), partitions=args.partitions,
                         app_id=f"bench-throughput-{workers}")
     stack = Stack(settings, embedded=True, port=free_port(), workers=workers, ready_timeout_s=120)
     stack.with_store = False
