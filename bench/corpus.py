@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also score the scenario bench's proposed rules (scenario_rules) on the clean runs")
     args = parser.parse_args(argv)
     if not (CORPUS / "validate").exists():
-        subprocess.run([sys.executable, str(HERE / "data" / "make_corpus.py")], check=True)
+        made = subprocess.run([sys.executable, str(HERE / "data" / "make_corpus.py")])
+        if made.returncode:
+            return made.returncode  # make_corpus printed why
     if args.only in (None, "nab"):
         splits = {split: load(split) for split in ("tune", "validate", "holdout")}
         for split, items in splits.items():
