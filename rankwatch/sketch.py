@@ -43,7 +43,7 @@ class Sketch:
         values = [float(v) for v in values]
         if not values:
             return cls()
-        # What ``add`` on an empty sketch makes, centroid for centroid, at half its cost (every rollup builds one).
+        # The centroids ``add`` on an empty sketch makes, at half the cost: every rollup builds one.
         return cls(fastdigest.TDigest.from_values(values, max_centroids=MAX_CENTROIDS))
 
     @property

@@ -150,7 +150,8 @@ def test_rollup_round_trip():
 
 def test_rollup_round_trip_with_a_sketch_and_numpy_floats():
     # Rollups are written by msgspec (codec.dumps_finite), the rest by json: the same JSON either way.
-    rollup = _rollup(p50=np.float64(1.5), p99=math.inf, sketch={"means": [0.25, 1e-05, 3.0], "weights": [1.0, 46.0, 1.0]})
+    sketch = {"means": [0.25, 1e-05, 3.0], "weights": [1.0, 46.0, 1.0]}
+    rollup = _rollup(p50=np.float64(1.5), p99=math.inf, sketch=sketch)
     data = rollup.to_bytes()
     fields = {k: encode_float(float(v)) if isinstance(v, float) else v for k, v in vars(rollup).items()}
     assert json.loads(data) == json.loads(dumps({"schema": SCHEMA_VERSION, "kind": "rollup", **fields}))
