@@ -173,10 +173,21 @@ def test_a_nan_reaching_several_metrics_is_one_page_listing_them():
     assert out == []
     [closed] = grouper.add(state, _metric_signal("param_norm", "nonfinite", "resolved", step=131), now=1.0)
     assert closed.status == "resolved" and closed.key == first.key and len(closed.metrics) == 4
-    # A later incident is a page of its own, and so is one a step after another's.
-    assert grouper.add(state, _metric_signal("grad_norm", "nonfinite", incident=299, step=299), now=2.0)
+    # A later incident is a page of its own, and so is one two steps after another's.
+    assert grouper.add(state, _metric_signal("grad_norm", "nonfinite", incident=298, step=298), now=2.0)
     [later] = grouper.add(state, _metric_signal("loss", "nonfinite", incident=300, step=300), now=2.0)
     assert later.metrics == () and later.incident == 300
+
+
+@pytest.mark.parametrize("first, then", [(("grad_norm", 120), ("loss", 121)), (("loss", 121), ("grad_norm", 120))])
+def test_a_nan_whose_loss_follows_a_step_later_is_one_page_in_either_order(first, then):
+    # The NaN batch's rank and the all-reduced gradient are NaN at step 120, the other ranks' loss at
+    # 121 (their weights took the NaN update); which signal arrives first depends on the ranks' timing.
+    grouper, state = Grouper(group_wait_s=0.0), RunGroups()
+    [opened] = grouper.add(state, _metric_signal(first[0], "nonfinite", incident=first[1], step=first[1]), now=0.0)
+    [joined] = grouper.add(state, _metric_signal(then[0], "nonfinite", incident=then[1], step=then[1]), now=0.0)
+    assert joined.key == opened.key and joined.metrics == (first[0], then[0])
+    assert joined.incident == first[1] and f"2 metrics at step {first[1]}" in joined.message
 
 
 def test_pages_survive_the_state_round_trip():
