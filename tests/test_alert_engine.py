@@ -48,7 +48,8 @@ def test_eight_ranks_going_nan_at_one_step_is_one_alert(bootstrap, run_id):
     assert alert["ranks"] == list(range(world)) and alert["rank"] is None
     assert (alert["step"], alert["incident"], alert["key"]) == (120, 120, f"{run_id}/nonfinite/loss")
 
-    _send(bootstrap, _batch(run_id, 0, 1, "marker", [float("inf")], world, first_step=121))
+    # Steps apart, so that the marker does not join the NaN's page (``grouping.PAGE_STEPS``).
+    _send(bootstrap, _batch(run_id, 0, 1, "marker", [float("inf")], world, first_step=130))
     assert consume_json(bootstrap, contract.ALERTS, _is(run_id, "marker")), "the marker behind it never alerted"
     assert len(consume_json(bootstrap, contract.ALERTS, _is(run_id, "loss"), count=2, timeout_s=2)) == 1
 
@@ -72,7 +73,7 @@ def test_a_crashed_worker_loses_no_alert_and_repeats_only_the_same_transition(ow
     own_stack.start_workers()
 
     # At-least-once: the same message again (a producer retry), then a marker behind it.
-    _send(bootstrap, nan, _batch(run_id, 1, 1, "marker", [float("nan")], world=2, first_step=3))
+    _send(bootstrap, nan, _batch(run_id, 1, 1, "marker", [float("nan")], world=2, first_step=10))
     # Without the marker's alert the count below proves nothing: a worker that processes nothing passes it.
     assert consume_json(bootstrap, contract.ALERTS, _is(run_id, "marker"), timeout_s=60), \
         "the restarted worker is silent"

@@ -94,7 +94,8 @@ def test_replayed_batches_change_no_alert(bootstrap, run_id):
     key = contract.telemetry_key(run_id, 2)
     nan = _batch(run_id, 2, 0, [1.0, float("nan")]).to_bytes()
     # The same message three times (a producer retry, a rebalance replay), then a marker batch.
-    marker = _batch(run_id, 2, 1, [float("nan")], metric="marker", first_step=2).to_bytes()
+    # Steps apart, so that the marker does not join the NaN's page (``grouping.PAGE_STEPS``).
+    marker = _batch(run_id, 2, 1, [float("nan")], metric="marker", first_step=10).to_bytes()
     _send(bootstrap, (key, nan), (key, nan), (key, nan), (key, marker))
 
     assert consume_json(
