@@ -217,6 +217,9 @@ class Grouper:
             }
             return [alert]
         sent = Alert.from_dict(page["alert"])
+        # The page keeps its first member's incident; its message names the earliest step of all (a
+        # NaN's gradient at N can join after the other ranks' loss at N + 1).
+        page["earliest"] = min(page.get("earliest", page["incident"]), alert.incident)
         if gkey not in page["members"]:
             page["members"].append(gkey)
         if gkey not in page["active"]:
@@ -237,7 +240,7 @@ class Grouper:
                                                     if shared and shared != every else "")
             # Pages stored before "first" kept the first member's whole message as "message".
             first = page.get("first") or page.get("message") or sent.message
-            message = f"{len(metrics)} metrics at step {page['incident']} ({', '.join(metrics)}) {where}; first: {first}"
+            message = f"{len(metrics)} metrics at step {page['earliest']} ({', '.join(metrics)}) {where}; first: {first}"
         merged = replace(sent, ranks=ranks, rank=ranks[0] if len(ranks) == 1 else None, severity=severity,
                          metrics=tuple(metrics) if len(metrics) > 1 else (), message=message, ts=alert.ts,
                          score=max(sent.score, alert.score))
