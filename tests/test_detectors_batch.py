@@ -209,3 +209,19 @@ def test_tail_models_fitted_together_score_and_store_as_fitted_alone():
         a.survival(1.0)  # fits a model still due
         assert a.state() == b.state()
         assert all(np.array_equal(x, y) for x, y in zip(a._fit_row, b._fit_row))
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 63, 64])
+def test_mad_sigma_selects_the_same_middle_as_sorting_every_deviation(n):
+    # The one-point path's MAD bisects two sorted runs instead of sorting; ties (a quantised gauge)
+    # and a centre away from the values' median (the phase's residuals) are where a bisection slips.
+    from rankwatch.stream_processors.detectors.scoring import MAD_TO_SIGMA, mad_sigma, median_rows
+
+    rng = np.random.default_rng(n)
+    for values in (rng.normal(size=(200, n)), rng.integers(0, 3, size=(200, n)).astype(float)):
+        for row in values:
+            ordered = sorted(row.tolist())
+            for centre in (None, float(row[0]), float(row.max()) + 1.0):
+                m = np.median(row) if centre is None else centre
+                want = median_rows(np.abs(row - m)[None, :])[0] / MAD_TO_SIGMA
+                assert mad_sigma(ordered, centre) == want

@@ -99,6 +99,27 @@ def test_rollups_close_per_metric_as_steps_advance():
     assert (first.run, first.rank, first.ts) == ("run-1", 1, 9.0)
 
 
+def test_a_gauge_one_step_a_message_rolls_up_and_alerts_as_in_one_batch():
+    # A plain gauge (only `nonfinite` watches it) at one step per message takes a shorter path than
+    # a batch of steps: the same windows, and a NaN inside an open window still pages.
+    values = 3.0 + np.random.default_rng(4).normal(0.0, 0.1, 120)
+    values[77] = math.nan
+    proc = TelemetryProcessor(rollup_steps=50)
+    one_by_one, whole = RankState(), RankState()
+    outs = [proc.process(one_by_one, _batch(s, [s], {"mem_gb": values[s : s + 1]}), now=9.0) for s in range(120)]
+    out = proc.process(whole, _batch(0, np.arange(120), {"mem_gb": values}), now=9.0)
+    rollups = [r for o in outs for r in o.rollups]
+    exact = ("start_step", "count", "nonfinite", "min", "max", "last", "first_step", "last_step", "sketch", "p99")
+    assert [[getattr(r, f) for f in exact] for r in rollups] == [[getattr(r, f) for f in exact] for r in out.rollups]
+    for r, b in zip(rollups, out.rollups, strict=True):  # Welford's update one by one, Chan's merge in one
+        assert math.isclose(r.mean, b.mean, rel_tol=1e-12) and math.isclose(r.std, b.std, rel_tol=1e-9)
+    assert [(r.start_step, r.count, r.nonfinite) for r in rollups] == [(0, 50, 0), (50, 49, 1)]
+    alerts = [a for o in outs for a in o.alerts]
+    assert [(a.detector, a.status, a.step) for a in alerts] == [("nonfinite", "firing", 77), ("nonfinite", "resolved", 82)]
+    assert [(a.detector, a.status, a.step) for a in out.alerts] == [(a.detector, a.status, a.step) for a in alerts]
+    assert one_by_one.metrics["mem_gb"].window.count == whole.metrics["mem_gb"].window.count == 20
+
+
 def test_replayed_batch_changes_nothing_and_emits_nothing():
     proc = TelemetryProcessor(rollup_steps=20)
     state = RankState()

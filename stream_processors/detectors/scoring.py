@@ -8,6 +8,7 @@ Two maps keep scores comparable across detectors. ``z_score`` turns a standardis
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 
 import numpy as np
 from scipy.special import ndtr, ndtri
@@ -49,10 +50,33 @@ def median_sorted(ordered: list[float]) -> float:
 
 
 def mad_sigma(ordered: list[float], median: float | None = None) -> float:
-    """The MAD-sigma of sorted values around ``median`` (by default theirs), in plain Python."""
+    """The MAD-sigma of sorted values around ``median`` (by default theirs), in plain Python.
+
+    The deviations are two sorted runs, ``median - v`` below the median and ``v - median`` from it,
+    so their middle is found by bisecting how many of it come from the lower run (the k-th smallest
+    of two sorted lists) instead of sorting them all: the one-point spike path takes a MAD per point,
+    and that sort was a sixth of a worker's stage 1. The same subtractions give the same floats as
+    ``abs(v - median)``, so the result is ``median_rows``' bit for bit.
+    """
     if median is None:
         median = median_sorted(ordered)
-    return median_sorted(sorted([abs(v - median) for v in ordered])) / MAD_TO_SIGMA  # two monotone runs
+    n = len(ordered)
+    split = bisect_left(ordered, median)  # lower run: ordered[split - 1 - i], i = 0, 1, ...
+    k = (n - 1) // 2  # the lower middle's rank; take k + 1 deviations, i of them from the lower run
+    lo, hi = max(0, k + 1 - (n - split)), min(split, k + 1)
+    while lo < hi:
+        i = (lo + hi) // 2
+        if median - ordered[split - 1 - i] < ordered[split + k - i] - median:  # the lower run's next is smaller
+            lo = i + 1
+        else:
+            hi = i
+    j = k + 1 - lo  # deviations taken from the upper run
+    lower = max(median - ordered[split - lo] if lo else -math.inf, ordered[split + j - 1] - median if j else -math.inf)
+    if n % 2:
+        return lower / MAD_TO_SIGMA
+    upper = min(median - ordered[split - 1 - lo] if lo < split else math.inf,
+                ordered[split + j] - median if split + j < n else math.inf)
+    return (lower + upper) * 0.5 / MAD_TO_SIGMA
 
 
 def robust_level(history: list[float], min_scale: float) -> tuple[float, float]:
