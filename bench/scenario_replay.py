@@ -42,7 +42,7 @@ class Pipeline:
 
     def __init__(self, rules: Rules, run: str):
         self.processor = TelemetryProcessor(rules=rules)
-        self.grouper = Grouper(group_wait_s=rules.group_wait_s)
+        self.grouper = Grouper(group_wait_s=rules.group_wait_s, group_interval_s=rules.group_interval_s)
         self.watcher = RunWatcher(rules=rules)
         self.ranks: dict[int, RankState] = {}
         self.groups = RunGroups()

@@ -5,8 +5,11 @@ one alert that lists eight ranks. A group (one detector on one metric of a run) 
 firing and sends one ``firing`` alert as soon as every rank of the run has been heard from at or
 past the step it started (each rank either fired or was fine there), so grouping costs no more
 latency than the slowest rank's telemetry. ``group_wait_s`` bounds the wait for a rank that is
-silent. Ranks that join later re-send the alert with the longer list. When the last rank
-resolves, one ``resolved`` alert names every rank the incident touched.
+silent. Ranks that join later re-send the alert with the longer list, at most once per
+``group_interval_s``: the joins within that interval of the last send go out as one update at its
+end (the NaN lane pages three ranks at once, and the rest of an all-reduced NaN joins within the
+next second: one update, not one alert per joining signal). When the last rank resolves, one
+``resolved`` alert names every rank the incident touched.
 
 A NaN should page within a fraction of a second even when the worker is behind on telemetry, so
 the publisher also sends a rank's non-finite values on a lane of their own (``UrgentTelemetry``,
@@ -23,7 +26,8 @@ Signals arrive at least once. Each rank's last applied transition is kept, so a 
 One incident, one page: a NaN reaches loss, grad norm and the weights at one step, and each is
 its own condition. Conditions of a run whose incidents start within ``PAGE_STEPS`` of each other
 join one page: its alert (the key of its first condition, the highest severity
-of all, the ranks all its conditions share, or all ranks if none) lists every metric in ``metrics`` and is re-sent as it grows, as it is when ranks join.
+of all, the ranks all its conditions share at their own first step, or all ranks if none) lists
+every metric in ``metrics`` and is re-sent as it grows, as it is when ranks join.
 Its message says which ranks it covers, which of them every metric shares, and quotes its first rank.
 Members that resolve are silent until the last one does; then one ``resolved`` alert closes the
 page.
@@ -85,7 +89,8 @@ class RunGroups:
                 "groups": {k: g.to_dict() for k, g in self.groups.items()}, "pages": self.pages}
 
     def waiting(self) -> bool:
-        return any(g.pending_since is not None for g in self.groups.values())
+        return (any(g.pending_since is not None for g in self.groups.values())
+                or any(p.get("held") for p in self.pages.values()))
 
     __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
 
@@ -103,6 +108,7 @@ class RunGroups:
 class Grouper:
     group_wait_s: float = 1.0
     urgent_wait_s: float = 0.05
+    group_interval_s: float = 2.0
 
     def add(self, state: RunGroups, signal: RankSignal, now: float) -> list[Alert]:
         """Apply one rank's transition; return alerts that are due now."""
@@ -175,18 +181,31 @@ class Grouper:
         return all(state.progress.get(str(r), -1) >= step for r in range(state.world_size))
 
     def tick(self, state: RunGroups, now: float) -> list[Alert]:
-        """Alerts whose group wait has passed."""
+        """Alerts whose group wait has passed, and pages' held changes whose interval has."""
         out = []
         for gkey, group in state.groups.items():
             due = self._due_at(group)
             if due is not None and now >= due:
                 out += self._flush(state, gkey, group, now)
+        for page in state.pages.values():
+            if page.get("held") and now >= self._resend_at(page):
+                out.append(self._sent(page, replace(Alert.from_dict(page["alert"]), ts=now), now))
         return out
 
     def due_in(self, state: RunGroups, now: float) -> float | None:
-        """Seconds until ``tick`` has something to send (0 if now), None if no group waits."""
+        """Seconds until ``tick`` has something to send (0 if now), None if nothing waits."""
         dues = [due for group in state.groups.values() if (due := self._due_at(group)) is not None]
+        dues += [self._resend_at(page) for page in state.pages.values() if page.get("held")]
         return max(0.0, min(dues) - now) if dues else None
+
+    def _resend_at(self, page: dict) -> float:
+        # Pages stored before "sent_at" went out long ago.
+        return page.get("sent_at", -self.group_interval_s) + self.group_interval_s
+
+    @staticmethod
+    def _sent(page: dict, alert: Alert, now: float) -> Alert:
+        page["alert"], page["sent_at"], page["held"] = alert.to_dict(), now, False
+        return alert
 
     def _due_at(self, group: Group) -> float | None:
         """When a waiting group's wait ends (``tick`` sends it then); None if it does not wait."""
@@ -200,22 +219,22 @@ class Grouper:
             return []  # nothing new since the last alert of this incident
         group.emitted = sorted(set(group.emitted) | set(group.ranks))
         first = Alert.from_dict(group.first)
-        return self._page(state, gkey, self._alert(gkey, group, first, "firing", first, now), first.message)
+        return self._page(state, gkey, self._alert(gkey, group, first, "firing", first, now), first.message, now)
 
-    @staticmethod
-    def _page(state: RunGroups, gkey: str, alert: Alert, first_words: str) -> list[Alert]:
-        """The page this firing alert opens or joins, as it is to be (re-)sent; [] if unchanged.
-        ``first_words`` are its condition's first rank's, which a page of several metrics quotes."""
+    def _page(self, state: RunGroups, gkey: str, alert: Alert, first_words: str, now: float) -> list[Alert]:
+        """The page this firing alert opens or joins, as it is to be (re-)sent; [] if unchanged, or
+        if it changed within ``group_interval_s`` of its last send (``tick`` sends it then, with
+        whatever else joined meanwhile). ``first_words`` are its condition's first rank's, which a
+        page of several metrics quotes."""
         page = next((p for p in state.pages.values() if gkey in p["active"]), None)
         if page is None:
             page = next((p for p in state.pages.values()
                          if p["active"] and abs(alert.incident - p["incident"]) <= PAGE_STEPS), None)
         if page is None:
-            state.pages[f"{gkey}@{alert.incident}"] = {
-                "incident": alert.incident, "members": [gkey], "active": [gkey], "alert": alert.to_dict(),
-                "first": first_words,
+            page = state.pages[f"{gkey}@{alert.incident}"] = {
+                "incident": alert.incident, "members": [gkey], "active": [gkey], "first": first_words,
             }
-            return [alert]
+            return [self._sent(page, alert, now)]
         sent = Alert.from_dict(page["alert"])
         # The page keeps its first member's incident; its message names the earliest step of all (a
         # NaN's gradient at N can join after the other ranks' loss at N + 1).
@@ -225,12 +244,15 @@ class Grouper:
         if gkey not in page["active"]:
             page["active"].append(gkey)
         metrics = list(dict.fromkeys([*(sent.metrics or (sent.metric,)), alert.metric]))
-        # The ranks every condition of the page shares name the origin (a NaN in one rank's batch
-        # reaches every rank's gradient through the all-reduce); with none shared, all of them.
+        # The ranks every condition of the page shares at its own first step name the origin: a NaN
+        # in rank 2's batch makes rank 2's loss and, through the all-reduce, every rank's gradient NaN
+        # at step N, and the other ranks' loss at N + 1, which would otherwise make all ranks shared.
+        # With none shared, all of them.
         members = page.setdefault("ranks", {sent.key: list(sent.ranks)})
-        members[gkey] = list(alert.ranks)
-        sets = [set(r) for r in members.values()]
-        shared, every = sorted(set.intersection(*sets)), sorted(set.union(*sets))
+        origins = page.setdefault("origins", {sent.key: _at_first_step(state, sent.key, sent.ranks)})
+        members[gkey], origins[gkey] = list(alert.ranks), _at_first_step(state, gkey, alert.ranks)
+        every = sorted(set.union(*(set(r) for r in members.values())))
+        shared = sorted(set.intersection(*(set(r) for r in origins.values())))
         ranks = tuple(shared or every)
         severity = max(sent.severity, alert.severity, key=_SEVERITY.__getitem__)
         if len(metrics) == 1:
@@ -247,8 +269,10 @@ class Grouper:
         if (merged.ranks, merged.metrics, merged.severity, merged.message) == \
                 (sent.ranks, sent.metrics, sent.severity, sent.message):
             return []
-        page["alert"] = merged.to_dict()
-        return [merged]
+        if now < self._resend_at(page):  # a burst of joins is one update, not one each
+            page["alert"], page["held"] = merged.to_dict(), True
+            return []
+        return [self._sent(page, merged, now)]
 
     @staticmethod
     def _page_resolved(state: RunGroups, gkey: str, alert: Alert) -> list[Alert]:
@@ -277,6 +301,14 @@ class Grouper:
             metric=first.metric, rank=ranks[0] if len(ranks) == 1 else None, step=at.step, value=at.value,
             message=message, ts=now, score=at.score, incident=first.incident, ranks=ranks,
         )
+
+
+def _at_first_step(state: RunGroups, gkey: str, ranks: tuple[int, ...] | list[int]) -> list[int]:
+    """Those of a condition's ``ranks`` whose incident is its earliest (all, if none is known)."""
+    group = state.groups.get(gkey)
+    incidents = {r: seen[0] for r in ranks if group and (seen := group.last_seen.get(str(r)))}
+    first = min(incidents.values(), default=None)
+    return [r for r in ranks if incidents.get(r, first) == first]
 
 
 def _ranks_phrase(ranks: tuple[int, ...] | list[int]) -> str:

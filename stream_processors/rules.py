@@ -68,6 +68,7 @@ class Rule:
 class Rules:
     rules: tuple[Rule, ...]
     group_wait_s: float = 1.0
+    group_interval_s: float = 2.0
     # metric -> its cross-rank rule: stage 2 asks for every metric of every rank's progress, and
     # matching the globs each time was a tenth of its work
     _cross: dict[str, Rule | None] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -126,10 +127,15 @@ class Rules:
             except (TypeError, ValueError) as exc:
                 raise RulesError(f"{where}: bad params for {rule.detector}: {exc}") from None
             rules.append(rule)
-        group_wait = float(doc.get("grouping", {}).get("group_wait_s", 1.0))
-        if group_wait < 0:
-            raise RulesError(f"{source}: group_wait_s must be >= 0")
-        return cls(tuple(rules), group_wait)
+        grouping = doc.get("grouping", {})
+        unknown = set(grouping) - {"group_wait_s", "group_interval_s"}
+        if unknown:
+            raise RulesError(f"{source}: unknown key(s) {sorted(unknown)} in [grouping]")
+        group_wait = float(grouping.get("group_wait_s", 1.0))
+        group_interval = float(grouping.get("group_interval_s", 2.0))
+        if group_wait < 0 or group_interval < 0:
+            raise RulesError(f"{source}: group_wait_s and group_interval_s must be >= 0")
+        return cls(tuple(rules), group_wait, group_interval)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Rules:

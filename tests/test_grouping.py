@@ -61,11 +61,13 @@ def test_replayed_signals_emit_nothing_again():
 
 
 def test_a_rank_joining_later_resends_the_group_and_resolve_names_all():
-    grouper, state = Grouper(group_wait_s=0.1), RunGroups()
+    grouper, state = Grouper(group_wait_s=0.1, group_interval_s=1.0), RunGroups()
     grouper.add(state, _signal(0), now=0.0)
     [first] = grouper.tick(state, now=0.2)
     grouper.add(state, _signal(6, step=125), now=0.3)
-    [update] = grouper.tick(state, now=0.5)
+    assert grouper.tick(state, now=0.5) == [] and state.waiting()  # within a second of the first send
+    assert grouper.due_in(state, now=0.5) == pytest.approx(0.7)
+    [update] = grouper.tick(state, now=1.2)
     assert (first.ranks, update.ranks) == ((0,), (0, 6))
     assert update.incident == first.incident and update.key == first.key
     assert grouper.add(state, _signal(0, "resolved", step=140), now=1.0) == []
@@ -156,7 +158,7 @@ def _metric_signal(metric: str, detector: str, status: str = "firing", *, incide
 
 
 def test_a_nan_reaching_several_metrics_is_one_page_listing_them():
-    grouper, state = Grouper(group_wait_s=0.0), RunGroups()
+    grouper, state = Grouper(group_wait_s=0.0, group_interval_s=0.0), RunGroups()
     [first] = grouper.add(state, _metric_signal("loss", "nonfinite"), now=0.0)
     assert first.metrics == () and first.key == "r/nonfinite/loss"
     [second] = grouper.add(state, _metric_signal("grad_norm", "nonfinite"), now=0.0)
@@ -183,7 +185,7 @@ def test_a_nan_reaching_several_metrics_is_one_page_listing_them():
 def test_a_nan_whose_loss_follows_a_step_later_is_one_page_in_either_order(first, then):
     # The NaN batch's rank and the all-reduced gradient are NaN at step 120, the other ranks' loss at
     # 121 (their weights took the NaN update); which signal arrives first depends on the ranks' timing.
-    grouper, state = Grouper(group_wait_s=0.0), RunGroups()
+    grouper, state = Grouper(group_wait_s=0.0, group_interval_s=0.0), RunGroups()
     [opened] = grouper.add(state, _metric_signal(first[0], "nonfinite", incident=first[1], step=first[1]), now=0.0)
     [joined] = grouper.add(state, _metric_signal(then[0], "nonfinite", incident=then[1], step=then[1]), now=0.0)
     assert joined.key == opened.key and joined.metrics == (first[0], then[0])
@@ -192,7 +194,7 @@ def test_a_nan_whose_loss_follows_a_step_later_is_one_page_in_either_order(first
 
 
 def test_pages_survive_the_state_round_trip():
-    grouper, state = Grouper(group_wait_s=0.0), RunGroups()
+    grouper, state = Grouper(group_wait_s=0.0, group_interval_s=0.0), RunGroups()
     grouper.add(state, _metric_signal("loss", "nonfinite"), now=0.0)
     restored = RunGroups.from_dict(json.loads(json.dumps(state.to_dict())))
     [page] = grouper.add(restored, _metric_signal("grad_norm", "nonfinite"), now=0.0)
@@ -238,7 +240,35 @@ def test_a_pages_message_says_which_ranks_it_covers_as_its_ranks_change():
     assert joined.ranks == (2,) and joined.metrics == ("grad_norm", "loss")
     assert joined.message == ("2 metrics at step 120 (grad_norm, loss) on 3 ranks (0, 2, 3), every metric on rank 2; "
                               "first: grad_norm is NaN on rank 0 at step 120 (nonfinite)")
-    # The last rank in: due at once. The same origin, one rank more: said again.
-    [grown] = grouper.add(state, _metric_signal("grad_norm", "nonfinite", rank=1, world=4), now=41.0)
+    # The last rank in: due at once. The same origin, one rank more: said again, once the page's
+    # interval since its last send has passed.
+    assert grouper.add(state, _metric_signal("grad_norm", "nonfinite", rank=1, world=4), now=41.0) == []
+    [grown] = grouper.tick(state, now=42.0)
     assert grown.ranks == (2,) and "on 4 ranks (0, 1, 2, 3), every metric on rank 2;" in grown.message
     assert grouper.tick(state, now=80.0) == []
+
+
+def test_a_nan_in_one_ranks_batch_is_one_page_and_one_update_naming_that_rank():
+    # The demo's NaN in rank 2's batch at step 120, as its signals reached stage 2 on a loaded host:
+    # the lane's gradient on three ranks first, then rank 2's loss, the fourth rank's gradient, and
+    # the other ranks' loss a step later (their weights took the NaN update). Four sends before;
+    # now the first page at once and everything that joined within the interval in one update, and
+    # the origin stays rank 2 though every rank's loss is NaN by then.
+    grouper, state = Grouper(group_wait_s=1.0, urgent_wait_s=0.05, group_interval_s=2.0), RunGroups()
+    out = [a for r in (0, 2, 3)
+           for a in grouper.add(state, _metric_signal("grad_norm", "nonfinite", rank=r, world=4), now=0.0)]
+    out += grouper.tick(state, now=1.0)
+    assert [(a.metric, a.ranks) for a in out] == [("grad_norm", (0, 2, 3))]
+    joins = [("loss", 2, 120), ("grad_norm", 1, 120), ("loss", 0, 121), ("loss", 1, 121), ("loss", 3, 121)]
+    for i, (metric, rank, step) in enumerate(joins):
+        now = 1.1 + 0.2 * i
+        out += grouper.add(state, _metric_signal(metric, "nonfinite", rank=rank, incident=step, step=step, world=4),
+                           now=now)
+        grouper.progress(state, rank, step, 4, now)
+        out += grouper.tick(state, now=now)
+    assert len(out) == 1
+    [update] = grouper.tick(state, now=3.0)
+    assert update.key == out[0].key and update.ranks == (2,) and update.metrics == ("grad_norm", "loss")
+    assert update.message.startswith("2 metrics at step 120 (grad_norm, loss) on 4 ranks (0, 1, 2, 3), every metric "
+                                     "on rank 2;")
+    assert grouper.tick(state, now=10.0) == [] and not state.waiting()

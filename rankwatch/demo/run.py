@@ -162,7 +162,9 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
         print(f"OK: {ranks} ranks trained {steps} steps at lr {lr:g}; the final evaluation was reported")
         return 0
     if expected.is_set():
-        print(f"OK: the injected NaN (rank {nan_rank}, step {nan_step}) was detected: {_page(matched[0])}")
+        # The page as its last update left it: the ranks and metrics that joined after its first send.
+        latest = [a for a in seen if a.key == matched[0].key and a.status == "firing"][-1]
+        print(f"OK: the injected NaN (rank {nan_rank}, step {nan_step}) was detected: {_page(latest)}")
         return 0
     print(f"FAILED: no firing page covering loss for rank {nan_rank} at step {nan_step} or {nan_step + 1}")
     return 1
