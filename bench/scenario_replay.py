@@ -42,7 +42,8 @@ class Pipeline:
 
     def __init__(self, rules: Rules, run: str):
         self.processor = TelemetryProcessor(rules=rules)
-        self.grouper = Grouper(group_wait_s=rules.group_wait_s, group_interval_s=rules.group_interval_s)
+        self.grouper = Grouper(group_wait_s=rules.group_wait_s, group_interval_s=rules.group_interval_s,
+                               inhibit=rules.inhibit)
         self.watcher = RunWatcher(rules=rules)
         self.ranks: dict[int, RankState] = {}
         self.groups = RunGroups()

@@ -31,6 +31,10 @@ every metric in ``metrics`` and is re-sent as it grows, as it is when ranks join
 Its message says which ranks it covers, which of them every metric shares, and quotes its first rank.
 Members that resolve are silent until the last one does; then one ``resolved`` alert closes the
 page.
+
+While a page of ``INHIBITORS`` fires (``inhibit``), a page that would open at or after its step
+below critical severity is kept, not sent: sent if it still fires when the inhibitor resolves,
+silent throughout if it ends first.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 #: loss at N + 1 (their weights took the NaN update). With 0, the loss was a page of its own whenever
 #: the other ranks' loss signals arrived before the first rank's: in 2 of 3 demo runs on a busy host.
 PAGE_STEPS = 1
+#: Detectors whose critical page means the run's numbers are broken from its step on: the weights
+#: took a NaN or exploded, so what a later warning sees (a rank computing on NaN slower than its
+#: peers, throughput falling) is a symptom. Such a page holds back the run's warnings and infos
+#: that start after it while it fires (``inhibit``), as Alertmanager's inhibit rules would.
+INHIBITORS = frozenset({"nonfinite", "explode"})
 
 
 #: Layout of ``RunGroups.to_dict`` (a state stored without a version has version 1's). Raise it when
@@ -109,6 +118,7 @@ class Grouper:
     group_wait_s: float = 1.0
     urgent_wait_s: float = 0.05
     group_interval_s: float = 2.0
+    inhibit: bool = True
 
     def add(self, state: RunGroups, signal: RankSignal, now: float) -> list[Alert]:
         """Apply one rank's transition; return alerts that are due now."""
@@ -146,7 +156,8 @@ class Grouper:
             return []
         out = self._flush(state, gkey, group, now)  # a burst shorter than group_wait still gets reported
         group.ranks.clear()
-        out += self._page_resolved(state, gkey, self._alert(gkey, group, Alert.from_dict(group.first), "resolved", a, now))
+        out += self._page_resolved(state, gkey, self._alert(gkey, group, Alert.from_dict(group.first), "resolved", a, now),
+                                   now)
         state.groups[gkey] = Group(last_seen=group.last_seen)
         return out
 
@@ -233,7 +244,11 @@ class Grouper:
         if page is None:
             page = state.pages[f"{gkey}@{alert.incident}"] = {
                 "incident": alert.incident, "members": [gkey], "active": [gkey], "first": first_words,
+                "inhibits": self._inhibits(alert),
             }
+            if alert.severity != "critical" and self._inhibited_by(state, alert.incident) is not None:
+                page["alert"], page["inhibited"] = alert.to_dict(), True
+                return []
             return [self._sent(page, alert, now)]
         sent = Alert.from_dict(page["alert"])
         # The page keeps its first member's incident; its message names the earliest step of all (a
@@ -266,27 +281,47 @@ class Grouper:
         merged = replace(sent, ranks=ranks, rank=ranks[0] if len(ranks) == 1 else None, severity=severity,
                          metrics=tuple(metrics) if len(metrics) > 1 else (), message=message, ts=alert.ts,
                          score=max(sent.score, alert.score))
+        page["inhibits"] = page.get("inhibits", False) or self._inhibits(alert)
         if (merged.ranks, merged.metrics, merged.severity, merged.message) == \
                 (sent.ranks, sent.metrics, sent.severity, sent.message):
             return []
-        if now < self._resend_at(page):  # a burst of joins is one update, not one each
+        if page.get("inhibited") and merged.severity != "critical":
+            page["alert"] = merged.to_dict()
+            return []
+        if not page.pop("inhibited", False) and now < self._resend_at(page):  # a burst of joins is one update
             page["alert"], page["held"] = merged.to_dict(), True
             return []
         return [self._sent(page, merged, now)]
 
-    @staticmethod
-    def _page_resolved(state: RunGroups, gkey: str, alert: Alert) -> list[Alert]:
-        """The page's ``resolved`` alert once its last member resolves; [] before that."""
+    def _page_resolved(self, state: RunGroups, gkey: str, alert: Alert, now: float) -> list[Alert]:
+        """The page's ``resolved`` alert once its last member resolves ([] before that, and for a page
+        held back all along), and the pages it held back that still fire."""
         for key, page in list(state.pages.items()):
             if gkey in page["active"]:
                 page["active"].remove(gkey)
                 if page["active"]:
                     return []
                 del state.pages[key]
+                if page.get("inhibited"):
+                    return []
                 sent = Alert.from_dict(page["alert"])
-                return [replace(alert, key=sent.key, detector=sent.detector, metric=sent.metric,
-                                severity=sent.severity, metrics=sent.metrics, incident=sent.incident)]
+                out = [replace(alert, key=sent.key, detector=sent.detector, metric=sent.metric,
+                               severity=sent.severity, metrics=sent.metrics, incident=sent.incident)]
+                for held in state.pages.values():  # what it held back, unless another page still does
+                    if held.get("inhibited") and self._inhibited_by(state, held["incident"]) is None:
+                        del held["inhibited"]
+                        out.append(self._sent(held, replace(Alert.from_dict(held["alert"]), ts=now), now))
+                return out
         return [alert]
+
+    def _inhibits(self, alert: Alert) -> bool:
+        return self.inhibit and alert.severity == "critical" and alert.detector in INHIBITORS
+
+    @staticmethod
+    def _inhibited_by(state: RunGroups, incident: int) -> str | None:
+        """The key of a firing page that holds back a condition starting at ``incident``, if any."""
+        return next((key for key, p in state.pages.items()
+                     if p.get("inhibits") and not p.get("inhibited") and p["incident"] <= incident), None)
 
     @staticmethod
     def _alert(gkey: str, group: Group, first: Alert, status: str, at: Alert, now: float) -> Alert:

@@ -69,6 +69,7 @@ class Rules:
     rules: tuple[Rule, ...]
     group_wait_s: float = 1.0
     group_interval_s: float = 2.0
+    inhibit: bool = True
     # metric -> its cross-rank rule: stage 2 asks for every metric of every rank's progress, and
     # matching the globs each time was a tenth of its work
     _cross: dict[str, Rule | None] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -128,14 +129,17 @@ class Rules:
                 raise RulesError(f"{where}: bad params for {rule.detector}: {exc}") from None
             rules.append(rule)
         grouping = doc.get("grouping", {})
-        unknown = set(grouping) - {"group_wait_s", "group_interval_s"}
+        unknown = set(grouping) - {"group_wait_s", "group_interval_s", "inhibit"}
         if unknown:
             raise RulesError(f"{source}: unknown key(s) {sorted(unknown)} in [grouping]")
         group_wait = float(grouping.get("group_wait_s", 1.0))
         group_interval = float(grouping.get("group_interval_s", 2.0))
         if group_wait < 0 or group_interval < 0:
             raise RulesError(f"{source}: group_wait_s and group_interval_s must be >= 0")
-        return cls(tuple(rules), group_wait, group_interval)
+        inhibit = grouping.get("inhibit", True)
+        if not isinstance(inhibit, bool):
+            raise RulesError(f"{source}: inhibit must be true or false")
+        return cls(tuple(rules), group_wait, group_interval, inhibit)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Rules:

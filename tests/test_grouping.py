@@ -272,3 +272,51 @@ def test_a_nan_in_one_ranks_batch_is_one_page_and_one_update_naming_that_rank():
     assert update.message.startswith("2 metrics at step 120 (grad_norm, loss) on 4 ranks (0, 1, 2, 3), every metric "
                                      "on rank 2;")
     assert grouper.tick(state, now=10.0) == [] and not state.waiting()
+
+
+def _warning(metric: str, status: str = "firing", *, incident: int, step: int | None = None) -> RankSignal:
+    return _metric_signal(metric, "crossrank" if "time" in metric else "spike", status, incident=incident,
+                          step=incident if step is None else step, severity="warning")
+
+
+def test_a_nan_page_holds_back_the_runs_later_warnings_while_it_fires():
+    # After a NaN the weights are NaN: a rank computing on them slower than its peers, or the
+    # throughput falling, is a symptom, not news. Such warnings wait for the NaN page to resolve.
+    grouper, state = Grouper(group_wait_s=0.0, group_interval_s=0.0), RunGroups()
+    [nan] = grouper.add(state, _metric_signal("loss", "nonfinite"), now=0.0)
+    assert grouper.add(state, _warning("compute_time_s", incident=132), now=1.0) == []
+    # One that ends while the NaN page fires is never sent, nor its end.
+    assert grouper.add(state, _warning("samples_per_s", incident=135), now=1.0) == []
+    assert grouper.add(state, _warning("samples_per_s", "resolved", incident=135, step=140), now=1.5) == []
+    # The NaN page resolves: what it held back and still fires goes out then, and ends as usual.
+    out = grouper.add(state, _metric_signal("loss", "nonfinite", "resolved", step=150), now=2.0)
+    assert [(a.detector, a.metric, a.status) for a in out] == [
+        ("nonfinite", "loss", "resolved"), ("crossrank", "compute_time_s", "firing")]
+    assert out[1].incident == 132 and out[1].ts == 2.0 and nan.key != out[1].key
+    [end] = grouper.add(state, _warning("compute_time_s", "resolved", incident=132, step=160), now=3.0)
+    assert (end.metric, end.status) == ("compute_time_s", "resolved")
+    assert state.pages == {}
+
+
+def test_only_a_critical_nan_or_explosion_before_it_holds_a_warning_back():
+    def sent(grouper: Grouper, first: RankSignal) -> list[str]:
+        state = RunGroups()
+        out = grouper.add(state, first, now=0.0) + grouper.add(state, _warning("compute_time_s", incident=132), now=1.0)
+        return [a.detector for a in out]
+
+    nan = _metric_signal("loss", "nonfinite")
+    assert sent(Grouper(), nan) == ["nonfinite"]
+    assert sent(Grouper(), _metric_signal("loss", "explode")) == ["explode"]
+    assert sent(Grouper(inhibit=False), nan) == ["nonfinite", "crossrank"]
+    # A collapsing reward is critical but leaves the numbers sound: a straggler then is news.
+    assert sent(Grouper(), _metric_signal("reward", "collapse")) == ["collapse", "crossrank"]
+    # A NaN after a warning began takes nothing back; a later critical condition is never held.
+    grouper, state = Grouper(), RunGroups()
+    first = grouper.add(state, _warning("compute_time_s", incident=100), now=0.0)
+    first += grouper.add(state, nan, now=1.0)
+    first += grouper.add(state, _metric_signal("grad_norm", "explode", incident=140, step=140), now=2.0)
+    assert [a.detector for a in first] == ["crossrank", "nonfinite", "explode"]
+    # A warning that began before the NaN is news, though its group is flushed after the NaN page.
+    grouper, state = Grouper(), RunGroups()
+    late = grouper.add(state, nan, now=0.0) + grouper.add(state, _warning("compute_time_s", incident=107), now=1.0)
+    assert [a.detector for a in late] == ["nonfinite", "crossrank"]

@@ -50,6 +50,7 @@ def test_globs_first_rule_per_detector_wins_and_params_reach_the_detector():
         ("[[rule]\n", "not valid TOML"),
         ("[grouping]\ngroup_interval_s = -1", "group_wait_s and group_interval_s must be >= 0"),
         ("[grouping]\ngroup_intervall_s = 5", "unknown key(s) ['group_intervall_s'] in [grouping]"),
+        ("[grouping]\ninhibit = 'yes'", "inhibit must be true or false"),
     ],
 )
 def test_bad_rules_fail_with_a_message_naming_the_problem(text, message):
@@ -67,4 +68,4 @@ def test_the_test_rules_are_the_defaults_with_a_longer_group_wait():
 
     test = Rules.load(TEST_RULES)
     assert test.rules == default_rules().rules and test.group_wait_s == 2.0
-    assert test.group_interval_s == default_rules().group_interval_s == 2.0
+    assert test.group_interval_s == default_rules().group_interval_s == 2.0 and test.inhibit and default_rules().inhibit
