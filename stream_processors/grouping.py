@@ -156,8 +156,8 @@ class Grouper:
             return []
         out = self._flush(state, gkey, group, now)  # a burst shorter than group_wait still gets reported
         group.ranks.clear()
-        out += self._page_resolved(state, gkey, self._alert(gkey, group, Alert.from_dict(group.first), "resolved", a, now),
-                                   now)
+        resolved = self._alert(gkey, group, Alert.from_dict(group.first), "resolved", a, now)
+        out += self._page_resolved(state, gkey, resolved, now)
         state.groups[gkey] = Group(last_seen=group.last_seen)
         return out
 
@@ -215,7 +215,7 @@ class Grouper:
 
     @staticmethod
     def _sent(page: dict, alert: Alert, now: float) -> Alert:
-        page["alert"], page["sent_at"], page["held"] = alert.to_dict(), now, False
+        page.update(alert=alert.to_dict(), sent_at=now, held=False, sent_severity=alert.severity)
         return alert
 
     def _due_at(self, group: Group) -> float | None:
@@ -288,7 +288,10 @@ class Grouper:
         if page.get("inhibited") and merged.severity != "critical":
             page["alert"] = merged.to_dict()
             return []
-        if not page.pop("inhibited", False) and now < self._resend_at(page):  # a burst of joins is one update
+        # A burst of joins is one update; a page that turns more severe (a NaN joining a spike) or
+        # was held back until now goes out at once.
+        escalated = _SEVERITY[merged.severity] > _SEVERITY[page.get("sent_severity", sent.severity)]
+        if not page.pop("inhibited", False) and not escalated and now < self._resend_at(page):
             page["alert"], page["held"] = merged.to_dict(), True
             return []
         return [self._sent(page, merged, now)]

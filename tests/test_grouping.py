@@ -320,3 +320,13 @@ def test_only_a_critical_nan_or_explosion_before_it_holds_a_warning_back():
     grouper, state = Grouper(), RunGroups()
     late = grouper.add(state, nan, now=0.0) + grouper.add(state, _warning("compute_time_s", incident=107), now=1.0)
     assert [a.detector for a in late] == ["nonfinite", "crossrank"]
+
+
+def test_a_page_that_turns_critical_is_sent_at_once_within_its_interval():
+    # A spike on the gradient at step 119, then the NaN at 120: the NaN joins the spike's page, and
+    # a page held for its interval would page the NaN up to two seconds late.
+    grouper, state = Grouper(group_interval_s=2.0), RunGroups()
+    [spike] = grouper.add(state, _warning("grad_norm", incident=119), now=0.0)
+    [nan] = grouper.add(state, _metric_signal("loss", "nonfinite"), now=0.1)
+    assert (spike.severity, nan.severity, nan.key) == ("warning", "critical", spike.key)
+    assert nan.metrics == ("grad_norm", "loss") and not state.waiting()
