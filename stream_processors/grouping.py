@@ -237,7 +237,10 @@ class Grouper:
         if it changed within ``group_interval_s`` of its last send (``tick`` sends it then, with
         whatever else joined meanwhile). ``first_words`` are its condition's first rank's, which a
         page of several metrics quotes."""
-        page = next((p for p in state.pages.values() if gkey in p["active"]), None)
+        # A condition that fires again while its page is still open (another member keeps it) rejoins
+        # it: a new page would share the open one's key, and a receiver that tracks alerts by key
+        # would take the open page's resolve for the new one's.
+        page = next((p for p in state.pages.values() if gkey in p["members"]), None)
         if page is None:
             page = next((p for p in state.pages.values()
                          if p["active"] and abs(alert.incident - p["incident"]) <= PAGE_STEPS), None)
