@@ -99,7 +99,7 @@ class RunGroups:
 
     def waiting(self) -> bool:
         return (any(g.pending_since is not None for g in self.groups.values())
-                or any(p.get("held") for p in self.pages.values()))
+                or any(p.get("unsent") for p in self.pages.values()))
 
     __json__ = to_dict  # Faust's JSON serializer calls this when the table writes its changelog
 
@@ -192,21 +192,21 @@ class Grouper:
         return all(state.progress.get(str(r), -1) >= step for r in range(state.world_size))
 
     def tick(self, state: RunGroups, now: float) -> list[Alert]:
-        """Alerts whose group wait has passed, and pages' held changes whose interval has."""
+        """Alerts whose group wait has passed, and pages' unsent changes whose interval has."""
         out = []
         for gkey, group in state.groups.items():
             due = self._due_at(group)
             if due is not None and now >= due:
                 out += self._flush(state, gkey, group, now)
         for page in state.pages.values():
-            if page.get("held") and now >= self._resend_at(page):
+            if page.get("unsent") and now >= self._resend_at(page):
                 out.append(self._sent(page, replace(Alert.from_dict(page["alert"]), ts=now), now))
         return out
 
     def due_in(self, state: RunGroups, now: float) -> float | None:
         """Seconds until ``tick`` has something to send (0 if now), None if nothing waits."""
         dues = [due for group in state.groups.values() if (due := self._due_at(group)) is not None]
-        dues += [self._resend_at(page) for page in state.pages.values() if page.get("held")]
+        dues += [self._resend_at(page) for page in state.pages.values() if page.get("unsent")]
         return max(0.0, min(dues) - now) if dues else None
 
     def _resend_at(self, page: dict) -> float:
@@ -215,7 +215,7 @@ class Grouper:
 
     @staticmethod
     def _sent(page: dict, alert: Alert, now: float) -> Alert:
-        page.update(alert=alert.to_dict(), sent_at=now, held=False, sent_severity=alert.severity)
+        page.update(alert=alert.to_dict(), sent_at=now, unsent=False, sent_severity=alert.severity)
         return alert
 
     def _due_at(self, group: Group) -> float | None:
@@ -295,7 +295,7 @@ class Grouper:
         # was held back until now goes out at once.
         escalated = _SEVERITY[merged.severity] > _SEVERITY[page.get("sent_severity", sent.severity)]
         if not page.pop("inhibited", False) and not escalated and now < self._resend_at(page):
-            page["alert"], page["held"] = merged.to_dict(), True
+            page["alert"], page["unsent"] = merged.to_dict(), True
             return []
         return [self._sent(page, merged, now)]
 
@@ -313,10 +313,10 @@ class Grouper:
                 sent = Alert.from_dict(page["alert"])
                 out = [replace(alert, key=sent.key, detector=sent.detector, metric=sent.metric,
                                severity=sent.severity, metrics=sent.metrics, incident=sent.incident)]
-                for held in state.pages.values():  # what it held back, unless another page still does
-                    if held.get("inhibited") and self._inhibited_by(state, held["incident"]) is None:
-                        del held["inhibited"]
-                        out.append(self._sent(held, replace(Alert.from_dict(held["alert"]), ts=now), now))
+                for other in state.pages.values():  # what it held back, unless another page still does
+                    if other.get("inhibited") and self._inhibited_by(state, other["incident"]) is None:
+                        del other["inhibited"]
+                        out.append(self._sent(other, replace(Alert.from_dict(other["alert"]), ts=now), now))
                 return out
         return [alert]
 
