@@ -14,7 +14,7 @@ from rankwatch.settings import Settings
 from rankwatch.stream_processors.alert_sender import AlertSender, AlertSenderClosed, Paging
 from rankwatch.stream_processors.batching import process_in_parts
 from rankwatch.stream_processors.clocks import LagWatch, OutageClock
-from rankwatch.stream_processors.grouping import Grouper, GroupsStateError, RunGroups
+from rankwatch.stream_processors.grouping import Grouper, GroupsStateError, RunGroups, latest
 from rankwatch.stream_processors.lane import LanePager, LaneReader
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
@@ -48,7 +48,7 @@ def _progress(grouper: Grouper, state: RunGroups, observed: list, now: float) ->
     for p, found in observed:
         due += grouper.progress(state, p.rank, p.last_step, p.world_size, now, restarted=p.restarted)
         due += grouper.add_all(state, [RankSignal(alert=alert, world_size=p.world_size) for alert in found], now)
-    return due
+    return latest(due)
 
 
 def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> None:

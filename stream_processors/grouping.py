@@ -29,6 +29,7 @@ join one page: its alert (the key of its first condition, the highest severity
 of all, the ranks all its conditions share at their own first step, or all ranks if none) lists
 every metric in ``metrics`` and is re-sent as it grows, as it is when ranks join.
 Its message says which ranks it covers, which of them every metric shares, and quotes its first rank.
+A page goes out with the conditions already waiting to join it, as one alert (``latest``).
 Members that resolve are silent until the last one does; then one ``resolved`` alert closes the
 page.
 
@@ -122,6 +123,12 @@ class Grouper:
 
     def add(self, state: RunGroups, signal: RankSignal, now: float) -> list[Alert]:
         """Apply one rank's transition; return alerts that are due now."""
+        return latest(self._add(state, signal, now))
+
+    def add_all(self, state: RunGroups, signals: list[RankSignal], now: float) -> list[Alert]:
+        return latest([alert for signal in signals for alert in self._add(state, signal, now)])
+
+    def _add(self, state: RunGroups, signal: RankSignal, now: float) -> list[Alert]:
         a = signal.alert
         state.world_size = max(state.world_size, signal.world_size)
         gkey = Alert.make_key(a.run, a.detector, a.metric)
@@ -161,9 +168,6 @@ class Grouper:
         state.groups[gkey] = Group(last_seen=group.last_seen)
         return out
 
-    def add_all(self, state: RunGroups, signals: list[RankSignal], now: float) -> list[Alert]:
-        return [alert for signal in signals for alert in self.add(state, signal, now)]
-
     def progress(self, state: RunGroups, rank: int, step: int, world_size: int, now: float,
                  restarted: bool = False) -> list[Alert]:
         """Stage 1 applied ``rank``'s telemetry up to ``step``; return groups this makes due.
@@ -183,7 +187,7 @@ class Grouper:
         for gkey, group in state.groups.items():
             if group.pending_since is not None and self._all_past(state, group.pending_step):
                 out += self._flush(state, gkey, group, now)
-        return out
+        return latest(out)
 
     @staticmethod
     def _all_past(state: RunGroups, step: int) -> bool:
@@ -201,7 +205,7 @@ class Grouper:
         for page in state.pages.values():
             if page.get("unsent") and now >= self._resend_at(page):
                 out.append(self._sent(page, replace(Alert.from_dict(page["alert"]), ts=now), now))
-        return out
+        return latest(out)
 
     def due_in(self, state: RunGroups, now: float) -> float | None:
         """Seconds until ``tick`` has something to send (0 if now), None if nothing waits."""
@@ -230,7 +234,14 @@ class Grouper:
             return []  # nothing new since the last alert of this incident
         group.emitted = sorted(set(group.emitted) | set(group.ranks))
         first = Alert.from_dict(group.first)
-        return self._page(state, gkey, self._alert(gkey, group, first, "firing", first, now), first.message, now)
+        out = self._page(state, gkey, self._alert(gkey, group, first, "firing", first, now), first.message, now)
+        # Conditions already waiting that would join this page go with it: the signal that completes
+        # one group (the last rank's NaN gradient) would otherwise send the page without them (rank
+        # 2's NaN loss, in its urgent wait) and update it only an interval later.
+        for other_key, other in state.groups.items():
+            if other.pending_since is not None and abs(other.pending_step - first.incident) <= PAGE_STEPS:
+                out += self._flush(state, other_key, other, now)
+        return out
 
     def _page(self, state: RunGroups, gkey: str, alert: Alert, first_words: str, now: float) -> list[Alert]:
         """The page this firing alert opens or joins, as it is to be (re-)sent; [] if unchanged, or
@@ -292,9 +303,11 @@ class Grouper:
             page["alert"] = merged.to_dict()
             return []
         # A burst of joins is one update; a page that turns more severe (a NaN joining a spike) or
-        # was held back until now goes out at once.
+        # was held back until now goes out at once, and so does a join decided with the page's send
+        # (one tick flushing its groups one after another): ``latest`` keeps that version only.
         escalated = _SEVERITY[merged.severity] > _SEVERITY[page.get("sent_severity", sent.severity)]
-        if not page.pop("inhibited", False) and not escalated and now < self._resend_at(page):
+        if (not page.pop("inhibited", False) and not escalated and now != page.get("sent_at")
+                and now < self._resend_at(page)):
             page["alert"], page["unsent"] = merged.to_dict(), True
             return []
         return [self._sent(page, merged, now)]
@@ -342,6 +355,21 @@ class Grouper:
             metric=first.metric, rank=ranks[0] if len(ranks) == 1 else None, step=at.step, value=at.value,
             message=message, ts=now, score=at.score, incident=first.incident, ranks=ranks,
         )
+
+
+def latest(alerts: list[Alert]) -> list[Alert]:
+    """One decision's alerts without the firing versions of a page that a later one in the same
+    decision supersedes: a page opened and joined in one tick goes out once, as the tick left it."""
+    kept, later = [], set()
+    for alert in reversed(alerts):
+        if alert.status == "firing":
+            if alert.key in later:
+                continue
+            later.add(alert.key)
+        else:
+            later.discard(alert.key)
+        kept.append(alert)
+    return kept[::-1]
 
 
 def _at_first_step(state: RunGroups, gkey: str, ranks: tuple[int, ...] | list[int]) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -383,3 +384,42 @@ def test_random_incidents_every_page_sent_is_resolved_once_and_symptoms_wait(see
     record(grouper.tick(state, now + 100.0))
     assert firing == {} and state.pages == {} and not state.waiting()
     assert sent and sent[-1].status == "resolved"
+
+
+@pytest.mark.parametrize("order", [(1, 3, 0, 2), (2, 1, 3, 0), (2, 1, 3)])
+def test_a_nan_whose_lane_records_arrive_together_is_one_page_naming_its_rank(order):
+    # The lane's records of an all-reduced NaN within the 50 ms urgent wait: rank 2's loss and
+    # gradient, the other ranks' gradient, in any order, with or without the last one. Before, the
+    # group that became due first made the page, and the other an update held for the interval: the
+    # page went out without the loss and without naming rank 2.
+    grouper, state = Grouper(urgent_wait_s=0.05, group_interval_s=2.0), RunGroups()
+
+    def lane(metric: str, rank: int) -> RankSignal:
+        alert = _metric_signal(metric, "nonfinite", rank=rank, world=4).alert
+        return RankSignal(alert=alert, world_size=4, urgent=True)
+
+    out = []
+    for rank in order:
+        out += grouper.add_all(state, [lane(m, rank) for m in (("loss", "grad_norm") if rank == 2 else ("grad_norm",))],
+                               now=0.01 * len(out))
+    out += grouper.tick(state, now=0.1)
+    [page] = out
+    assert set(page.metrics) == {"grad_norm", "loss"} and page.ranks == (2,)
+    assert f"on {len(order)} ranks" in page.message and "every metric on rank 2" in page.message
+    # The other ranks' loss a step later leaves the origin; it is an update only where it brings a
+    # rank the page did not cover (rank 0, when its gradient was not in yet).
+    late = [_metric_signal("loss", "nonfinite", rank=r, incident=121, step=121, world=4) for r in (0, 1, 3)]
+    updates = grouper.add_all(state, late, now=0.5) + grouper.tick(state, now=5.0)
+    assert [(u.ranks, "on 4 ranks (0, 1, 2, 3)" in u.message) for u in updates] == ([] if len(order) == 4
+                                                                                   else [((2,), True)])
+
+
+def test_latest_keeps_a_decisions_last_version_of_each_page():
+    from rankwatch.stream_processors.grouping import latest
+
+    def alert(key: str, status: str = "firing", message: str = "") -> Alert:
+        return replace(_metric_signal("loss", "nonfinite", status).alert, key=key, message=message)
+
+    v1, v2, other, end = alert("a", message="v1"), alert("a", message="v2"), alert("b"), alert("a", "resolved")
+    assert [id(a) for a in latest([v1, other, v2])] == [id(other), id(v2)]
+    assert [id(a) for a in latest([v1, end, v2])] == [id(v1), id(end), id(v2)]  # two incidents of one key
