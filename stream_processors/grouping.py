@@ -26,7 +26,7 @@ Signals arrive at least once. Each rank's last applied transition is kept, so a 
 One incident, one page: a NaN reaches loss, grad norm and the weights at one step, and each is
 its own condition. Conditions of a run whose incidents start within ``PAGE_STEPS`` of each other
 join one page: its alert (the key of its first condition, the highest severity
-of all, the ranks all its conditions share at their own first step, or all ranks if none) lists
+of all, the ranks that its conditions starting at its earliest step share, or all ranks if none) lists
 every metric in ``metrics`` and is re-sent as it grows, as it is when ranks join.
 Its message says which ranks it covers, which of them every metric shares, and quotes its first rank.
 A page goes out with the conditions already waiting to join it, as one alert (``latest``).
@@ -273,15 +273,17 @@ class Grouper:
         if gkey not in page["active"]:
             page["active"].append(gkey)
         metrics = list(dict.fromkeys([*(sent.metrics or (sent.metric,)), alert.metric]))
-        # The ranks every condition of the page shares at its own first step name the origin: a NaN
-        # in rank 2's batch makes rank 2's loss and, through the all-reduce, every rank's gradient NaN
-        # at step N, and the other ranks' loss at N + 1, which would otherwise make all ranks shared.
-        # With none shared, all of them.
+        # The origin is the ranks that every condition starting at the page's earliest step shares
+        # there: a NaN in rank 2's batch makes rank 2's loss and, through the all-reduce, every rank's
+        # gradient NaN at step N, and the other ranks' loss at N + 1. Those come later than the NaN,
+        # and may reach the worker before rank 2's own signals; counted, they made all ranks shared,
+        # or the wrong ones. With none shared, all of them.
         members = page.setdefault("ranks", {sent.key: list(sent.ranks)})
-        origins = page.setdefault("origins", {sent.key: _at_first_step(state, sent.key, sent.ranks)})
-        members[gkey], origins[gkey] = list(alert.ranks), _at_first_step(state, gkey, alert.ranks)
+        origins = page.setdefault("origins", {sent.key: _first_step(state, sent.key, sent.ranks, sent.incident)})
+        members[gkey], origins[gkey] = list(alert.ranks), _first_step(state, gkey, alert.ranks, alert.incident)
         every = sorted(set.union(*(set(r) for r in members.values())))
-        shared = sorted(set.intersection(*(set(r) for r in origins.values())))
+        start = min(step for step, _ in origins.values())
+        shared = sorted(set.intersection(*(set(r) for step, r in origins.values() if step == start)))
         ranks = tuple(shared or every)
         severity = max(sent.severity, alert.severity, key=_SEVERITY.__getitem__)
         if len(metrics) == 1:
@@ -372,12 +374,13 @@ def latest(alerts: list[Alert]) -> list[Alert]:
     return kept[::-1]
 
 
-def _at_first_step(state: RunGroups, gkey: str, ranks: tuple[int, ...] | list[int]) -> list[int]:
-    """Those of a condition's ``ranks`` whose incident is its earliest (all, if none is known)."""
+def _first_step(state: RunGroups, gkey: str, ranks: tuple[int, ...] | list[int], incident: int) -> list:
+    """``[step, ranks]``: a condition's earliest incident among ``ranks`` and those of them it began
+    on there (``incident`` and all of them, when none is known)."""
     group = state.groups.get(gkey)
     incidents = {r: seen[0] for r in ranks if group and (seen := group.last_seen.get(str(r)))}
-    first = min(incidents.values(), default=None)
-    return [r for r in ranks if incidents.get(r, first) == first]
+    first = min(incidents.values(), default=incident)
+    return [first, [r for r in ranks if incidents.get(r, first) == first]]
 
 
 def _ranks_phrase(ranks: tuple[int, ...] | list[int]) -> str:

@@ -423,3 +423,23 @@ def test_latest_keeps_a_decisions_last_version_of_each_page():
     v1, v2, other, end = alert("a", message="v1"), alert("a", message="v2"), alert("b"), alert("a", "resolved")
     assert [id(a) for a in latest([v1, other, v2])] == [id(other), id(v2)]
     assert [id(a) for a in latest([v1, end, v2])] == [id(v1), id(end), id(v2)]  # two incidents of one key
+
+
+def test_a_page_names_no_origin_from_conditions_that_began_after_its_first_step():
+    # As a demo run on a loaded host had it: the others' NaN gradient (step 120) and their NaN loss
+    # (step 121, from the NaN update) reached stage 2 before rank 2's own signals. The loss began a
+    # step after the page, so it says nothing of the origin: the page named ranks 1 and 3.
+    grouper, state = Grouper(group_wait_s=0.0, group_interval_s=0.0), RunGroups()
+
+    def send(metric: str, ranks: tuple[int, ...], step: int, now: float) -> Alert:
+        signals = [_metric_signal(metric, "nonfinite", rank=r, incident=step, step=step, world=4) for r in ranks]
+        [page] = grouper.add_all(state, signals, now) + grouper.tick(state, now)
+        return page
+
+    send("grad_norm", (0, 1, 3), 120, now=0.0)
+    page = send("loss", (1, 3), 121, now=0.1)
+    assert page.ranks == (0, 1, 3) and "every metric" not in page.message
+    page = send("loss", (2,), 120, now=0.2)  # no rank is in both conditions at step 120 yet
+    assert page.ranks == (0, 1, 2, 3) and "every metric" not in page.message
+    page = send("grad_norm", (2,), 120, now=0.3)
+    assert page.ranks == (2,) and "on 4 ranks (0, 1, 2, 3), every metric on rank 2" in page.message
