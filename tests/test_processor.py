@@ -115,7 +115,8 @@ def test_a_gauge_one_step_a_message_rolls_up_and_alerts_as_in_one_batch():
         assert math.isclose(r.mean, b.mean, rel_tol=1e-12) and math.isclose(r.std, b.std, rel_tol=1e-9)
     assert [(r.start_step, r.count, r.nonfinite) for r in rollups] == [(0, 50, 0), (50, 49, 1)]
     alerts = [a for o in outs for a in o.alerts]
-    assert [(a.detector, a.status, a.step) for a in alerts] == [("nonfinite", "firing", 77), ("nonfinite", "resolved", 82)]
+    assert [(a.detector, a.status, a.step) for a in alerts] == [("nonfinite", "firing", 77),
+                                                                  ("nonfinite", "resolved", 82)]
     assert [(a.detector, a.status, a.step) for a in out.alerts] == [(a.detector, a.status, a.step) for a in alerts]
     assert one_by_one.metrics["mem_gb"].window.count == whole.metrics["mem_gb"].window.count == 20
 
