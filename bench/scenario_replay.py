@@ -42,8 +42,7 @@ class Pipeline:
 
     def __init__(self, rules: Rules, run: str):
         self.processor = TelemetryProcessor(rules=rules)
-        self.grouper = Grouper(group_wait_s=rules.group_wait_s, group_interval_s=rules.group_interval_s,
-                               inhibit=rules.inhibit)
+        self.grouper = Grouper.from_rules(rules)
         self.watcher = RunWatcher(rules=rules)
         self.ranks: dict[int, RankState] = {}
         self.groups = RunGroups()

@@ -66,7 +66,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
     # its run-events go to, which the group-wait timer needs (it writes outside stream iteration).
     run_state = app.Table("run-state", default=None, key_type=bytes, use_partitioner=True)
     processor = TelemetryProcessor(rollup_steps=settings.rollup_steps, rules=rules)
-    grouper = Grouper(group_wait_s=rules.group_wait_s, group_interval_s=rules.group_interval_s, inhibit=rules.inhibit)
+    grouper = Grouper.from_rules(rules)
     waiting: set[bytes] = set()  # runs with groups inside their wait, on partitions this worker owns
     # Stage 2's alerts go out in the order decided, from the loop and from the lane's thread (``alert_sender``).
     sender = AlertSender(settings.bootstrap, settings.security.kafka_python())

@@ -41,10 +41,14 @@ silent throughout if it ends first.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from rankwatch.contract import Alert, RankSignal
 from rankwatch.errors import RankwatchError
 from rankwatch.stream_processors import stored
+
+if TYPE_CHECKING:
+    from rankwatch.stream_processors.rules import Rules
 
 _ORDER = {"firing": 0, "resolved": 1}
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
@@ -120,6 +124,11 @@ class Grouper:
     urgent_wait_s: float = 0.05
     group_interval_s: float = 2.0
     inhibit: bool = True
+
+    @classmethod
+    def from_rules(cls, rules: Rules) -> Grouper:
+        """The grouping that ``rules``' ``[grouping]`` section sets."""
+        return cls(group_wait_s=rules.group_wait_s, group_interval_s=rules.group_interval_s, inhibit=rules.inhibit)
 
     def add(self, state: RunGroups, signal: RankSignal, now: float) -> list[Alert]:
         """Apply one rank's transition; return alerts that are due now."""
@@ -204,7 +213,7 @@ class Grouper:
                 out += self._flush(state, gkey, group, now)
         for page in state.pages.values():
             if page.get("unsent") and now >= self._resend_at(page):
-                out.append(self._sent(page, replace(Alert.from_dict(page["alert"]), ts=now), now))
+                out.append(self._send_kept(page, now))
         return latest(out)
 
     def due_in(self, state: RunGroups, now: float) -> float | None:
@@ -221,6 +230,11 @@ class Grouper:
     def _sent(page: dict, alert: Alert, now: float) -> Alert:
         page.update(alert=alert.to_dict(), sent_at=now, unsent=False, sent_severity=alert.severity)
         return alert
+
+    def _send_kept(self, page: dict, now: float) -> Alert:
+        """The page's alert as it stands, kept unsent until ``now``: an update its interval held, or
+        a page its inhibitor held back."""
+        return self._sent(page, replace(Alert.from_dict(page["alert"]), ts=now), now)
 
     def _due_at(self, group: Group) -> float | None:
         """When a waiting group's wait ends (``tick`` sends it then); None if it does not wait."""
@@ -260,7 +274,7 @@ class Grouper:
                 "incident": alert.incident, "members": [gkey], "active": [gkey], "first": first_words,
                 "inhibits": self._inhibits(alert),
             }
-            if alert.severity != "critical" and self._inhibited_by(state, alert.incident) is not None:
+            if alert.severity != "critical" and self._held_back(state, alert.incident):
                 page["alert"], page["inhibited"] = alert.to_dict(), True
                 return []
             return [self._sent(page, alert, now)]
@@ -329,9 +343,9 @@ class Grouper:
                 out = [replace(alert, key=sent.key, detector=sent.detector, metric=sent.metric,
                                severity=sent.severity, metrics=sent.metrics, incident=sent.incident)]
                 for other in state.pages.values():  # what it held back, unless another page still does
-                    if other.get("inhibited") and self._inhibited_by(state, other["incident"]) is None:
+                    if other.get("inhibited") and not self._held_back(state, other["incident"]):
                         del other["inhibited"]
-                        out.append(self._sent(other, replace(Alert.from_dict(other["alert"]), ts=now), now))
+                        out.append(self._send_kept(other, now))
                 return out
         return [alert]
 
@@ -339,10 +353,10 @@ class Grouper:
         return self.inhibit and alert.severity == "critical" and alert.detector in INHIBITORS
 
     @staticmethod
-    def _inhibited_by(state: RunGroups, incident: int) -> str | None:
-        """The key of a firing page that holds back a condition starting at ``incident``, if any."""
-        return next((key for key, p in state.pages.items()
-                     if p.get("inhibits") and not p.get("inhibited") and p["incident"] <= incident), None)
+    def _held_back(state: RunGroups, incident: int) -> bool:
+        """Whether a firing page holds back a condition starting at ``incident``."""
+        return any(p.get("inhibits") and not p.get("inhibited") and p["incident"] <= incident
+                   for p in state.pages.values())
 
     @staticmethod
     def _alert(gkey: str, group: Group, first: Alert, status: str, at: Alert, now: float) -> Alert:

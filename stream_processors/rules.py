@@ -132,11 +132,11 @@ class Rules:
         unknown = set(grouping) - {"group_wait_s", "group_interval_s", "inhibit"}
         if unknown:
             raise RulesError(f"{source}: unknown key(s) {sorted(unknown)} in [grouping]")
-        group_wait = float(grouping.get("group_wait_s", 1.0))
-        group_interval = float(grouping.get("group_interval_s", 2.0))
+        group_wait = float(grouping.get("group_wait_s", cls.group_wait_s))
+        group_interval = float(grouping.get("group_interval_s", cls.group_interval_s))
         if group_wait < 0 or group_interval < 0:
             raise RulesError(f"{source}: group_wait_s and group_interval_s must be >= 0")
-        inhibit = grouping.get("inhibit", True)
+        inhibit = grouping.get("inhibit", cls.inhibit)
         if not isinstance(inhibit, bool):
             raise RulesError(f"{source}: inhibit must be true or false")
         return cls(tuple(rules), group_wait, group_interval, inhibit)
