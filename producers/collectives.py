@@ -86,19 +86,19 @@ class _HostAndCuda:
 
 
 class Remainder:
-    """``left - collective`` (not below 0) for a device-timed ``collective`` from ``take()``: a lazy
-    value, read when its events complete (the hook's ``compute_time_s`` on CUDA)."""
+    """``(left - collective) * kept`` (not below 0) for a device-timed ``collective`` from ``take()``: a
+    lazy value, read when its events complete (the hook's ``compute_time_s`` on CUDA)."""
 
-    __slots__ = ("left", "collective")
+    __slots__ = ("left", "collective", "kept")
 
-    def __init__(self, left: float, collective: Any):
-        self.left, self.collective = left, collective
+    def __init__(self, left: float, collective: Any, kept: float = 1.0):
+        self.left, self.collective, self.kept = left, collective, kept
 
     def done(self) -> bool:
         return self.collective.done()
 
     def item(self) -> float:
-        return max(0.0, self.left - self.collective.item())
+        return max(0.0, self.left - self.collective.item()) * self.kept
 
 
 class CollectiveTimer:

@@ -3,8 +3,19 @@
 ``end_step`` runs right after the optimizer, when the CPU caches are cold, and there every line of
 Python costs microseconds (``bench/step_cost.py``). So it only notes what cannot wait: when the step
 ended, its losses and metrics, and the waits it measured. ``StepPoint`` turns these into the point's
-metrics (the mean loss, ``step_time_s``, the rates, ``compute_time_s``) on the publisher's sender
-thread (``RankPublisher.defer``), in step order.
+metrics (the mean loss, ``step_time_s``, the rates, ``compute_time_s``, ``cpu_wait_s``) on the
+publisher's sender thread (``RankPublisher.defer``), in step order.
+
+``compute_time_s`` is the step less its waits: for the next batch, for peers in collectives, and
+for a CPU. The last one is there because on a host with more runnable threads than cores (ranks
+sharing a machine, a busy data loader, a neighbour's job) the scheduler leaves one rank's thread
+waiting for several steps running, and that rank then looked like a straggler although nothing in it
+was slow; its ``cpu_wait_s`` says so instead. That wait is measured over the whole step, while much of
+a DDP step's computing overlaps its all-reduce, which already counts as collective time; so the
+compute time gives up the wait in proportion, ``(1 - cpu_wait_s / step_time_s)`` of what is left
+after the other waits, not all of it (all of it would count the overlap twice: on the demo's
+over-full host, half its steps came out at 0). A rank that makes its peers wait is still named by
+their ``collective_time_s``, whatever made it slow.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ import math
 from typing import Any
 
 from rankwatch.producers.collectives import Remainder
+from rankwatch.producers.system import run_delay_s
 from rankwatch.producers.values import Derived
 
 _NO_FACTS: dict[str, Any] = {}
@@ -27,19 +39,26 @@ class StepPoint:
 
     Facts: ``ended`` (``time.perf_counter()`` at the step's end), ``losses`` (one per micro-batch),
     ``metrics`` (the loop's own, or None), and ``facts`` (None, or a dict with any of ``skipped``,
-    ``samples`` and ``tokens`` (lists of per-micro-batch counts), ``data_wait_s`` and
-    ``collective_time_s``).
+    ``samples`` and ``tokens`` (lists of per-micro-batch counts), ``data_wait_s``,
+    ``collective_time_s`` and ``cpu_clock``, a ``CpuWaitClock`` reading at the step's end).
 
     >>> point = StepPoint(samples_per_step=32)
     >>> point(0, 10.0, [2.0], None, None)
     (0, {'loss': 2.0})
     >>> point(1, 10.5, [1.0], {"acc": 0.5}, {"data_wait_s": 0.125})
     (1, {'acc': 0.5, 'loss': 1.0, 'step_time_s': 0.5, 'samples_per_s': 64.0, 'data_wait_s': 0.125, 'compute_time_s': 0.375})
+    >>> point(2, 11.0, [1.0], None, {"cpu_clock": b"0 1000000000 1"})  # no earlier reading: no wait yet
+    (2, {'loss': 1.0, 'step_time_s': 0.5, 'samples_per_s': 64.0, 'compute_time_s': 0.5})
+    >>> facts = {"cpu_clock": b"0 1250000000 2", "collective_time_s": 0.1}  # 0.25 s waiting for a CPU
+    >>> _, metrics = point(3, 11.5, [1.0], None, facts)  # it gives up half of the 0.4 s left after collectives
+    >>> metrics["cpu_wait_s"], metrics["compute_time_s"]
+    (0.25, 0.2)
     """
 
     def __init__(self, samples_per_step: int | None = None, tokens_per_step: int | None = None):
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         self._last_end: float | None = None
+        self._last_delay: float | None = None  # the thread's run delay at the last step's end
 
     def __call__(self, step: int, ended: float, losses: list[Any], metrics: dict[str, Any] | None,
                  facts: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
@@ -59,10 +78,17 @@ class StepPoint:
             point["data_wait_s"] = waited = facts["data_wait_s"]
         if "collective_time_s" in facts:
             point["collective_time_s"] = collective = facts["collective_time_s"]
+        kept = 1.0  # the share of the step the thread was not waiting for a CPU
+        if (clock := facts.get("cpu_clock")) is not None:
+            delay, before = run_delay_s(clock), self._last_delay
+            self._last_delay = delay
+            if delay is not None and before is not None and last is not None:
+                point["cpu_wait_s"] = cpu_wait = max(0.0, delay - before)
+                kept = max(0.0, 1.0 - cpu_wait / elapsed) if elapsed > 0 else 1.0
         if last is not None:
             left = elapsed - waited
-            point["compute_time_s"] = (max(0.0, left - collective) if isinstance(collective, float)
-                                       else Remainder(left, collective))
+            point["compute_time_s"] = (max(0.0, left - collective) * kept if isinstance(collective, float)
+                                       else Remainder(left, collective, kept))
         return step, point
 
     @staticmethod

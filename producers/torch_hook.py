@@ -51,7 +51,7 @@ from rankwatch.producers.grad_stats import GradStats
 from rankwatch.producers.publisher import RankPublisher
 from rankwatch.producers.step_point import StepPoint
 from rankwatch.producers.stride import MAX_EVERY, MAX_GAP_S, Stride
-from rankwatch.producers.system import CudaMemorySampler
+from rankwatch.producers.system import CpuWaitClock, CudaMemorySampler
 from rankwatch.producers.values import Derived, stage
 
 
@@ -141,7 +141,12 @@ class TrainerHook:
             # DDP's all-reduce is timed whether the model given is the DDP wrapper or the module in it.
             self._ddp_probe = self._timer.watch_ddp(model)
             publisher.add_sampler(self._timer.sample)
-        self._timing = self._timer is not None  # each step takes the waits measured (see ``_take_facts``)
+        # The training thread's wait for a CPU, read at every step's end (Linux; None elsewhere).
+        self._cpu_clock: CpuWaitClock | None = CpuWaitClock()
+        if self._cpu_clock.read() is None:
+            self._cpu_clock = None
+        # each step takes the waits measured (see ``_take_facts``)
+        self._timing = self._timer is not None or self._cpu_clock is not None
         device = next((p.device for p in model.parameters()), None)
         self._on_cuda = device is not None and device.type == "cuda"
         if self._on_cuda:
@@ -224,6 +229,8 @@ class TrainerHook:
             self._timer.stop()
         if self._ddp_probe is not None:
             self._ddp_probe.remove()
+        if self._cpu_clock is not None:
+            self._cpu_clock.close()
         self._handles, self._restore, self._pre, self._attached = [], [], None, False
 
     # -- step boundaries (hooked into the optimizer, or called by an adapter) --------------------
@@ -330,6 +337,8 @@ class TrainerHook:
             facts["data_wait_s"], self._data_wait = self._data_wait, 0.0
         if self._timer is not None:
             facts["collective_time_s"] = self._timer.take()
+        if self._cpu_clock is not None:
+            facts["cpu_clock"] = self._cpu_clock.read()
         return facts
 
     # -- internals -------------------------------------------------------------------------------

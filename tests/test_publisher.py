@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,7 +21,7 @@ from rankwatch.producers.grad_norms import l2
 from rankwatch.producers.identity import rank_identity
 from rankwatch.producers.publisher import RankPublisher
 from rankwatch.producers.shipper import kafka_config
-from rankwatch.producers.system import ProcessSampler
+from rankwatch.producers.system import CpuWaitClock, ProcessSampler, run_delay_s
 from rankwatch.producers.values import Chunk, Derived, Staged, stage
 from rankwatch import contract
 from rankwatch.broker import free_port
@@ -131,6 +134,30 @@ def test_process_sampler_reads_rss_and_cpu():
     sample = sampler()
     assert sample["rss_bytes"] > 10 * 2**20  # this interpreter with torch loaded
     assert 10 < sample["cpu_percent"] < 100 * 64
+
+
+def test_the_cpu_wait_clock_counts_what_a_thread_waits_for_a_cpu_other_processes_hold():
+    cpu, allowed = min(os.sched_getaffinity(0)), os.sched_getaffinity(0)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    clock = CpuWaitClock()
+    try:
+        for hog in hogs:
+            os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})  # pid 0: this thread only
+        time.sleep(0.2)  # the hogs are up and spinning
+        first, ran, began = run_delay_s(clock.read()), time.thread_time(), time.perf_counter()
+        while time.perf_counter() < began + 0.6:  # runnable throughout: three take turns on one CPU
+            pass
+        wall, ran = time.perf_counter() - began, time.thread_time() - ran
+        waited = run_delay_s(clock.read()) - first
+    finally:
+        os.sched_setaffinity(0, allowed)
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        clock.close()
+    # Not its CPU time (about a third): the rest of the wall time, which it spent waiting.
+    assert waited > 0.25 and waited == pytest.approx(wall - ran, abs=0.08), (waited, wall, ran)
 
 
 def test_busy_time_is_the_union_of_spans():

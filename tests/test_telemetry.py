@@ -319,9 +319,12 @@ def test_every_rank_of_a_gloo_job_reports_with_its_identity_and_collective_time(
     assert compute[SLOW_RANK] > SLOW_S > waited[SLOW_RANK], (compute, waited)
     assert waited[1 - SLOW_RANK] > SLOW_S - 0.5 > compute[1 - SLOW_RANK], (compute, waited)
     for r in range(WORLD):
+        cpu_wait = dict(got[(r, "cpu_wait_s")])  # the time the rank's thread waited for a CPU (Linux)
+        assert sorted(cpu_wait) == [1, 2, 3] and all(v >= 0 for v in cpu_wait.values()), cpu_wait
         for step, value in got[(r, "compute_time_s")]:
-            expected = dict(got[(r, "step_time_s")])[step] - dict(got[(r, "collective_time_s")])[step]
-            assert value == pytest.approx(max(expected, 0.0), abs=1e-9)
+            took = dict(got[(r, "step_time_s")])[step]
+            left = max(0.0, took - dict(got[(r, "collective_time_s")])[step])
+            assert value == pytest.approx(left * (1 - cpu_wait[step] / took), abs=1e-9)
     # While it dawdled, the peer's heartbeats showed it blocked in a collective; its own did not.
     blocked = {r: max(v for _, v in got[(r, "collective_wait_s")]) for r in range(WORLD)}
     assert blocked[1 - SLOW_RANK] > 1.0 > blocked[SLOW_RANK], blocked
