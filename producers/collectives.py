@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,27 @@ COLLECTIVES = (
 
 _TIMERS: list[CollectiveTimer] = []  # timers that currently want the wrapped functions' spans
 _INSTALLED = False
+
+
+def waited_within(spans: list[tuple[float, float, float | None, float | None]]) -> float:
+    """The waiting clock's advance inside the union of ``(start, end, clock at start, clock at end)``
+    spans: the training thread's wait for a CPU while a collective was in flight. A merged interval
+    whose clock was not read at either end adds nothing.
+
+    >>> waited_within([(0.0, 2.0, 10.0, 10.5), (1.0, 3.0, 10.2, 11.0), (5.0, 6.0, 12.0, 12.25)])
+    1.25
+    """
+    total, reach, first, last = 0.0, float("-inf"), None, None
+    for start, end, at_start, at_end in sorted(spans, key=lambda span: span[:2]):
+        if start > reach:  # a new interval of the union: count the one before
+            if first is not None and last is not None:
+                total += max(0.0, last - first)
+            first, reach, last = at_start, end, at_end
+        elif end > reach:
+            reach, last = end, at_end
+    if first is not None and last is not None:
+        total += max(0.0, last - first)
+    return total
 
 
 def busy_time(spans: list[tuple[float, float]]) -> float:
@@ -86,19 +108,19 @@ class _HostAndCuda:
 
 
 class Remainder:
-    """``(left - collective) * kept`` (not below 0) for a device-timed ``collective`` from ``take()``: a
-    lazy value, read when its events complete (the hook's ``compute_time_s`` on CUDA)."""
+    """``left - collective`` (not below 0) for a device-timed ``collective`` from ``take()``: a lazy
+    value, read when its events complete (the hook's ``compute_time_s`` on CUDA)."""
 
-    __slots__ = ("left", "collective", "kept")
+    __slots__ = ("left", "collective")
 
-    def __init__(self, left: float, collective: Any, kept: float = 1.0):
-        self.left, self.collective, self.kept = left, collective, kept
+    def __init__(self, left: float, collective: Any):
+        self.left, self.collective = left, collective
 
     def done(self) -> bool:
         return self.collective.done()
 
     def item(self) -> float:
-        return max(0.0, self.left - self.collective.item()) * self.kept
+        return max(0.0, self.left - self.collective.item())
 
 
 class CollectiveTimer:
@@ -110,28 +132,33 @@ class CollectiveTimer:
     """
 
     def __init__(self) -> None:
-        self._host: deque[tuple[float, float]] = deque()  # deque appends are atomic across threads
+        # (call, completion, the training thread's CPU wait clock at both); appends are atomic across threads
+        self._host: deque[tuple[float, float, float | None, float | None]] = deque()
         self._cuda: deque[tuple[Any, Any]] = deque()
         self._ids = itertools.count()
         self._open: dict[int, float] = {}  # host-timed calls in flight: id -> perf_counter at the call
         # Device-timed calls whose end event has not completed yet: (perf_counter at the call, end event).
         self._device_open: deque[tuple[float, Any]] = deque(maxlen=4096)
         self.calls = 0
+        # The training thread's CPU wait so far, from any thread (``CpuWaitClock.owner_wait_s``): the
+        # part of it inside collectives is no wait of the computing part of the step.
+        self.cpu_wait: Callable[[], float | None] | None = None
 
     def begin(self, tensor: Any) -> Any:
         self.calls += 1
         key, now = next(self._ids), time.perf_counter()
+        waited = self.cpu_wait() if self.cpu_wait is not None else None
         # In flight on the host until end(): a backend that runs CUDA collectives on the host (gloo)
         # calls it only when the peers have come, NCCL as soon as the kernel is queued.
         self._open[key] = now
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(tensor.device))
-            return key, now, start, tensor.device
-        return key, now, None, None
+            return key, now, start, tensor.device, waited
+        return key, now, None, None, waited
 
     def end(self, token: Any) -> None:
-        key, began, start, device = token
+        key, began, start, device, waited = token
         self._open.pop(key, None)
         if start is not None:
             # On the caller's stream, which waits for the collective to finish before this event.
@@ -140,7 +167,7 @@ class CollectiveTimer:
             self._cuda.append((start, end))
             self._device_open.append((began, end))
         else:
-            self._host.append((began, time.perf_counter()))
+            self._host.append((began, time.perf_counter(), waited, self.cpu_wait() if self.cpu_wait else None))
 
     def waiting_s(self) -> float:
         """Seconds the oldest collective still in flight has been waiting; 0.0 when none is."""
@@ -156,14 +183,16 @@ class CollectiveTimer:
         """A heartbeat sampler (``RankPublisher.add_sampler``): ``collective_wait_s``."""
         return {COLLECTIVE_WAIT: self.waiting_s()}
 
-    def take(self) -> float | _CudaSpans | _HostAndCuda:
-        """Busy time since the previous call: a float, or a lazy value when CUDA events are involved."""
+    def take(self) -> tuple[float | _CudaSpans | _HostAndCuda, float]:
+        """Busy time since the previous call (a float, or a lazy value when CUDA events are involved),
+        and how long the training thread waited for a CPU inside the host-timed part of it."""
         host = [self._host.popleft() for _ in range(len(self._host))]
         cuda = [self._cuda.popleft() for _ in range(len(self._cuda))]
-        host_s = busy_time(host)
+        host_s = busy_time([span[:2] for span in host])
+        waited = waited_within(host) if self.cpu_wait is not None else 0.0
         if not cuda:
-            return host_s
-        return _HostAndCuda(host_s, _CudaSpans(cuda)) if host else _CudaSpans(cuda)
+            return host_s, waited
+        return (_HostAndCuda(host_s, _CudaSpans(cuda)) if host else _CudaSpans(cuda)), waited
 
     def start(self) -> None:
         """Receive the spans of the wrapped torch.distributed functions (installing them once)."""

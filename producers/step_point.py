@@ -10,12 +10,12 @@ publisher's sender thread (``RankPublisher.defer``), in step order.
 for a CPU. The last one is there because on a host with more runnable threads than cores (ranks
 sharing a machine, a busy data loader, a neighbour's job) the scheduler leaves one rank's thread
 waiting for several steps running, and that rank then looked like a straggler although nothing in it
-was slow; its ``cpu_wait_s`` says so instead. That wait is measured over the whole step, while much of
-a DDP step's computing overlaps its all-reduce, which already counts as collective time; so the
-compute time gives up the wait in proportion, ``(1 - cpu_wait_s / step_time_s)`` of what is left
-after the other waits, not all of it (all of it would count the overlap twice: on the demo's
-over-full host, half its steps came out at 0). A rank that makes its peers wait is still named by
-their ``collective_time_s``, whatever made it slow.
+was slow; its ``cpu_wait_s`` says so instead. Only the CPU wait outside the other two counts: much of
+a DDP step's computing overlaps its all-reduce, whose time is out already, and taking the whole wait
+out as well counted that overlap twice (on the demo's over-full host, half its steps came out at 0).
+So the hook also reads the thread's wait clock where collectives start and end and around each
+batch's wait. A rank that makes its peers wait is still named by their ``collective_time_s``,
+whatever made it slow.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class StepPoint:
     Facts: ``ended`` (``time.perf_counter()`` at the step's end), ``losses`` (one per micro-batch),
     ``metrics`` (the loop's own, or None), and ``facts`` (None, or a dict with any of ``skipped``,
     ``samples`` and ``tokens`` (lists of per-micro-batch counts), ``data_wait_s``,
-    ``collective_time_s`` and ``cpu_clock``, a ``CpuWaitClock`` reading at the step's end).
+    ``collective_time_s``, ``cpu_clock`` (a ``CpuWaitClock`` reading at the step's end) and
+    ``cpu_wait_inside_s`` (how much of the step's CPU wait fell inside the data and collective waits)).
 
     >>> point = StepPoint(samples_per_step=32)
     >>> point(0, 10.0, [2.0], None, None)
@@ -49,10 +50,10 @@ class StepPoint:
     (1, {'acc': 0.5, 'loss': 1.0, 'step_time_s': 0.5, 'samples_per_s': 64.0, 'data_wait_s': 0.125, 'compute_time_s': 0.375})
     >>> point(2, 11.0, [1.0], None, {"cpu_clock": b"0 1000000000 1"})  # no earlier reading: no wait yet
     (2, {'loss': 1.0, 'step_time_s': 0.5, 'samples_per_s': 64.0, 'compute_time_s': 0.5})
-    >>> facts = {"cpu_clock": b"0 1250000000 2", "collective_time_s": 0.1}  # 0.25 s waiting for a CPU
-    >>> _, metrics = point(3, 11.5, [1.0], None, facts)  # it gives up half of the 0.4 s left after collectives
+    >>> facts = {"cpu_clock": b"0 1250000000 2", "collective_time_s": 0.125, "cpu_wait_inside_s": 0.125}
+    >>> _, metrics = point(3, 11.5, [1.0], None, facts)  # a quarter second waiting for a CPU, half of it in the all-reduce
     >>> metrics["cpu_wait_s"], metrics["compute_time_s"]
-    (0.25, 0.2)
+    (0.25, 0.25)
     """
 
     def __init__(self, samples_per_step: int | None = None, tokens_per_step: int | None = None):
@@ -78,17 +79,16 @@ class StepPoint:
             point["data_wait_s"] = waited = facts["data_wait_s"]
         if "collective_time_s" in facts:
             point["collective_time_s"] = collective = facts["collective_time_s"]
-        kept = 1.0  # the share of the step the thread was not waiting for a CPU
         if (clock := facts.get("cpu_clock")) is not None:
             delay, before = run_delay_s(clock), self._last_delay
             self._last_delay = delay
             if delay is not None and before is not None and last is not None:
                 point["cpu_wait_s"] = cpu_wait = max(0.0, delay - before)
-                kept = max(0.0, 1.0 - cpu_wait / elapsed) if elapsed > 0 else 1.0
+                waited += max(0.0, cpu_wait - facts.get("cpu_wait_inside_s", 0.0))
         if last is not None:
             left = elapsed - waited
-            point["compute_time_s"] = (max(0.0, left - collective) * kept if isinstance(collective, float)
-                                       else Remainder(left, collective, kept))
+            point["compute_time_s"] = (max(0.0, left - collective) if isinstance(collective, float)
+                                       else Remainder(left, collective))
         return step, point
 
     @staticmethod

@@ -33,10 +33,12 @@ def rss_bytes() -> float | None:
 class CpuWaitClock:
     """How long the calling thread has waited, runnable, for a CPU: Linux's ``run_delay``.
 
-    ``read()`` is the raw ``/proc/self/task/<tid>/schedstat`` line (cheap enough for the training
-    thread: one ``pread`` of an open file, under a microsecond), and ``run_delay_s`` turns it into
-    seconds later, on the sender thread. None where the kernel does not keep it (not Linux, or no
-    schedstats): then the hook publishes no ``cpu_wait_s``.
+    ``read()`` is the raw ``/proc/self/task/<tid>/schedstat`` line of the calling thread (cheap
+    enough for the training thread: one ``pread`` of an open file, under a microsecond), and
+    ``run_delay_s`` turns it into seconds later, on the sender thread. ``owner_wait_s()`` is the same
+    clock of the thread that last called ``read()``, in seconds, from any thread (a collective ends on
+    the backend's thread). None where the kernel does not keep it (not Linux, or no schedstats): then
+    the hook publishes no ``cpu_wait_s``.
 
     >>> run_delay_s(b"82866161 73699 39\\n")
     7.3699e-05
@@ -60,6 +62,15 @@ class CpuWaitClock:
         try:
             return os.pread(self._fd, 128, 0)
         except OSError:
+            return None
+
+    def owner_wait_s(self) -> float | None:
+        fd = self._fd
+        if fd is None:
+            return None
+        try:
+            return run_delay_s(os.pread(fd, 128, 0))
+        except OSError:  # closed meanwhile (the hook detached)
             return None
 
     def close(self) -> None:

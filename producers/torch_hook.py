@@ -145,6 +145,9 @@ class TrainerHook:
         self._cpu_clock: CpuWaitClock | None = CpuWaitClock()
         if self._cpu_clock.read() is None:
             self._cpu_clock = None
+        elif self._timer is not None:
+            self._timer.cpu_wait = self._cpu_clock.owner_wait_s
+        self._waited_inside = 0.0  # of that wait, the part inside the data wait (the collectives' is the timer's)
         # each step takes the waits measured (see ``_take_facts``)
         self._timing = self._timer is not None or self._cpu_clock is not None
         device = next((p.device for p in model.parameters()), None)
@@ -208,13 +211,17 @@ class TrainerHook:
         """Yield from ``loader``, timing each wait for the next batch; the step reports ``data_wait_s``."""
         iterator = iter(loader)
         self._data_wait, self._timing = 0.0, True
+        clock = self._cpu_clock
         while True:
             started = time.perf_counter()
+            cpu_wait = clock.owner_wait_s() if clock is not None else None
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
             self._data_wait += time.perf_counter() - started
+            if cpu_wait is not None and (now := clock.owner_wait_s()) is not None:
+                self._waited_inside += now - cpu_wait  # loading in this thread (no workers) waits for a CPU too
             yield batch
 
     def detach(self) -> None:
@@ -335,10 +342,13 @@ class TrainerHook:
             facts["skipped"] = skipped
         if self._data_wait is not None:
             facts["data_wait_s"], self._data_wait = self._data_wait, 0.0
+        inside, self._waited_inside = self._waited_inside, 0.0
         if self._timer is not None:
-            facts["collective_time_s"] = self._timer.take()
+            facts["collective_time_s"], waited = self._timer.take()
+            inside += waited
         if self._cpu_clock is not None:
             facts["cpu_clock"] = self._cpu_clock.read()
+            facts["cpu_wait_inside_s"] = inside
         return facts
 
     # -- internals -------------------------------------------------------------------------------

@@ -5,13 +5,16 @@ $RANKWATCH_REQUIRE_ALL is set, as CI does)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -153,3 +156,21 @@ def process_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+@contextlib.contextmanager
+def sharing_a_cpu(hogs: int) -> Iterator[None]:
+    """This thread and ``hogs`` spinning processes pinned to one CPU: the thread waits, runnable, for it."""
+    cpu, allowed = min(os.sched_getaffinity(0)), os.sched_getaffinity(0)
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    try:
+        for hog in spinning:
+            os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})  # pid 0: this thread only
+        time.sleep(0.2)  # the hogs are up and spinning
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+        for hog in spinning:
+            hog.kill()
+            hog.wait()

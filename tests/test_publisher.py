@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import consume_json
+from conftest import consume_json, sharing_a_cpu
 
 from rankwatch.producers import publisher as publisher_module
 from rankwatch.producers.collectives import CollectiveTimer, busy_time
@@ -137,25 +134,14 @@ def test_process_sampler_reads_rss_and_cpu():
 
 
 def test_the_cpu_wait_clock_counts_what_a_thread_waits_for_a_cpu_other_processes_hold():
-    cpu, allowed = min(os.sched_getaffinity(0)), os.sched_getaffinity(0)
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     clock = CpuWaitClock()
-    try:
-        for hog in hogs:
-            os.sched_setaffinity(hog.pid, {cpu})
-        os.sched_setaffinity(0, {cpu})  # pid 0: this thread only
-        time.sleep(0.2)  # the hogs are up and spinning
+    with sharing_a_cpu(hogs=2):
         first, ran, began = run_delay_s(clock.read()), time.thread_time(), time.perf_counter()
         while time.perf_counter() < began + 0.6:  # runnable throughout: three take turns on one CPU
             pass
         wall, ran = time.perf_counter() - began, time.thread_time() - ran
         waited = run_delay_s(clock.read()) - first
-    finally:
-        os.sched_setaffinity(0, allowed)
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-        clock.close()
+    clock.close()
     # Not its CPU time (about a third): the rest of the wall time, which it spent waiting.
     assert waited > 0.25 and waited == pytest.approx(wall - ran, abs=0.08), (waited, wall, ran)
 
@@ -176,7 +162,22 @@ def test_the_wait_of_the_oldest_unfinished_collective_is_sampled_and_ends_with_i
     assert timer.waiting_s() < 0.05
     timer.end(second)
     assert timer.waiting_s() == 0.0
-    assert timer.take() >= 0.05  # the finished spans are still the step's collective time
+    busy, waited = timer.take()
+    assert busy >= 0.05 and waited == 0.0  # the finished spans are still the step's collective time
+
+
+def test_the_cpu_wait_inside_collectives_is_the_clock_across_their_union():
+    timer = CollectiveTimer()
+    readings = iter([1.0, 1.25, 1.5, 2.0, 3.0, 3.0])  # the training thread's CPU wait clock, as it advances
+    timer.cpu_wait = lambda: next(readings)
+    first = timer.begin(None)  # 1.0
+    second = timer.begin(None)  # 1.25: overlaps the first
+    timer.end(first)  # 1.5
+    timer.end(second)  # 2.0: the union of the two waited 2.0 - 1.0
+    timer.end(timer.begin(None))  # 3.0 to 3.0: nothing
+    busy, waited = timer.take()
+    assert waited == pytest.approx(1.0) and busy > 0
+    assert timer.take() == (0.0, 0.0)  # taken once
 
 
 @pytest.mark.broker
