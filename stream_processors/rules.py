@@ -8,6 +8,7 @@ naming the rule, raised when the worker starts rather than silently ignored at r
 from __future__ import annotations
 
 import fnmatch
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,20 @@ _RULE_KEYS = {"metrics", "exclude", "detector", "params", "severity", "for", "re
 
 class RulesError(RankwatchError, ValueError):
     """A rules file that cannot be used; the message names the rule and the problem."""
+
+
+def _integer(table: dict, key: str, default: int, where: str) -> int:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RulesError(f"{where}: {key} must be a whole number, got {value!r}")
+    return value
+
+
+def _seconds(table: dict, key: str, default: float, where: str) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RulesError(f"{where}: {key} must be a number of seconds, got {value!r}")
+    return float(value)
 
 
 #: Detectors that see every rank of a run at once; stage 2 runs them, stage 1 skips them.
@@ -112,14 +127,17 @@ class Rules:
                 raise RulesError(f"{where}: detector must be one of {sorted(known)}, got {raw.get('detector')!r}")
             if raw.get("severity", "warning") not in SEVERITIES:
                 raise RulesError(f"{where}: severity must be one of {SEVERITIES}")
-            metrics = raw.get("metrics")
-            if not metrics or not all(isinstance(m, str) for m in metrics):
+            metrics, exclude = raw.get("metrics"), raw.get("exclude", [])
+            if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) for m in metrics):
                 raise RulesError(f"{where}: metrics must be a non-empty list of glob patterns")
+            if not isinstance(exclude, list) or not all(isinstance(m, str) for m in exclude):
+                raise RulesError(f"{where}: exclude must be a list of glob patterns")
+            if not isinstance(params := raw.get("params", {}), dict):
+                raise RulesError(f"{where}: params must be a table, such as {{ window = 64 }}")
             rule = Rule(
-                metrics=tuple(metrics), exclude=tuple(raw.get("exclude", ())), detector=raw["detector"],
-                params=dict(raw.get("params", {})), severity=raw.get("severity"),
-                for_=int(raw.get("for", 1)), resolve_after=int(raw.get("resolve_after", 5)),
-                cooldown=int(raw.get("cooldown", 0)),
+                metrics=tuple(metrics), exclude=tuple(exclude), detector=raw["detector"], params=dict(params),
+                severity=raw.get("severity"), for_=_integer(raw, "for", 1, where),
+                resolve_after=_integer(raw, "resolve_after", 5, where), cooldown=_integer(raw, "cooldown", 0, where),
             )
             if rule.for_ < 1 or rule.resolve_after < 1 or rule.cooldown < 0:
                 raise RulesError(f"{where}: need for >= 1, resolve_after >= 1, cooldown >= 0")
@@ -132,8 +150,8 @@ class Rules:
         unknown = set(grouping) - {"group_wait_s", "group_interval_s", "inhibit"}
         if unknown:
             raise RulesError(f"{source}: unknown key(s) {sorted(unknown)} in [grouping]")
-        group_wait = float(grouping.get("group_wait_s", cls.group_wait_s))
-        group_interval = float(grouping.get("group_interval_s", cls.group_interval_s))
+        group_wait = _seconds(grouping, "group_wait_s", cls.group_wait_s, f"{source}: [grouping]")
+        group_interval = _seconds(grouping, "group_interval_s", cls.group_interval_s, f"{source}: [grouping]")
         if group_wait < 0 or group_interval < 0:
             raise RulesError(f"{source}: group_wait_s and group_interval_s must be >= 0")
         inhibit = grouping.get("inhibit", cls.inhibit)

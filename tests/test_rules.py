@@ -51,6 +51,13 @@ def test_globs_first_rule_per_detector_wins_and_params_reach_the_detector():
         ("[grouping]\ngroup_interval_s = -1", "group_wait_s and group_interval_s must be >= 0"),
         ("[grouping]\ngroup_intervall_s = 5", "unknown key(s) ['group_intervall_s'] in [grouping]"),
         ("[grouping]\ninhibit = 'yes'", "inhibit must be true or false"),
+        ("[grouping]\ngroup_wait_s = 'soon'", "[grouping]: group_wait_s must be a number of seconds, got 'soon'"),
+        ("[grouping]\ngroup_interval_s = nan", "group_interval_s must be a number of seconds, got nan"),
+        ("[[rule]]\nmetrics=['x']\ndetector='spike'\nfor='2'", "rule 1: for must be a whole number, got '2'"),
+        ("[[rule]]\nmetrics=['x']\ndetector='spike'\ncooldown=2.5", "cooldown must be a whole number, got 2.5"),
+        ("[[rule]]\nmetrics='loss'\ndetector='spike'", "metrics must be a non-empty list"),
+        ("[[rule]]\nmetrics=['x']\ndetector='spike'\nexclude='lr'", "exclude must be a list of glob patterns"),
+        ("[[rule]]\nmetrics=['x']\ndetector='spike'\nparams='window=8'", "params must be a table"),
     ],
 )
 def test_bad_rules_fail_with_a_message_naming_the_problem(text, message):
