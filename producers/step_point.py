@@ -51,7 +51,7 @@ class StepPoint:
     >>> point(2, 11.0, [1.0], None, {"cpu_clock": b"0 1000000000 1"})  # no earlier reading: no wait yet
     (2, {'loss': 1.0, 'step_time_s': 0.5, 'samples_per_s': 64.0, 'compute_time_s': 0.5})
     >>> facts = {"cpu_clock": b"0 1250000000 2", "collective_time_s": 0.125, "cpu_wait_inside_s": 0.125}
-    >>> _, metrics = point(3, 11.5, [1.0], None, facts)  # a quarter second waiting for a CPU, half of it in the all-reduce
+    >>> _, metrics = point(3, 11.5, [1.0], None, facts)  # 0.25 s waiting for a CPU, half in the all-reduce
     >>> metrics["cpu_wait_s"], metrics["compute_time_s"]
     (0.25, 0.25)
     """

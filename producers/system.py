@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 Sampler = Callable[[], Mapping[str, float]]

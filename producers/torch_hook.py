@@ -15,9 +15,11 @@ Per step (names as published):
 - system: ``step_time_s`` (between step ends), ``data_wait_s`` (time spent waiting on a loader
   wrapped with ``wrap_loader``), ``samples_per_s`` / ``tokens_per_s`` (when the counts are known),
   ``collective_time_s`` (when torch.distributed is initialised; see ``rankwatch.producers.collectives``),
-  and ``compute_time_s``: the step time left after data wait and collectives. In DDP every rank's
-  step takes as long as the slowest one's (they wait for each other in the all-reduce), so only
-  this remainder shows which rank is the straggler;
+  ``cpu_wait_s`` (on Linux, how long the training thread was ready to run but waited for a CPU),
+  and ``compute_time_s``: the step time left after data wait, collectives and the CPU wait outside
+  them. In DDP every rank's step takes as long as the slowest one's (they wait for each other in the
+  all-reduce), so only this remainder shows which rank is the straggler, and a rank its host starves
+  of CPU is not named for it;
 - liveness: with each heartbeat, ``collective_wait_s`` (how long the rank has been blocked in an
   unfinished collective), so a run that stops can be told from the rank that stopped it.
 
