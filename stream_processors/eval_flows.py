@@ -10,7 +10,9 @@ Two stages, each with one writer per key:
 2. ``eval-runs`` (key ``run``): different evaluations of one run may be merged on different
    partitions, so every non-provisional report is re-keyed by run onto an internal topic. There
    the ``eval-runs`` table keeps the run's history; regression and every eval alert of the run are
-   decided in one place, and the eval-interval advice too.
+   decided in one place, and the eval-interval advice too. Its run-wide alerts go out through stage
+   2 (as ``RankSignal``s on ``rankwatch.run_events``), whose grouper holds them back while a
+   training NaN's page fires; a rank's own go straight to the alerts topic.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import faust
 from kafka.partitioner.default import murmur2
 
 from rankwatch import contract
-from rankwatch.contract import EvalShard, RunUpdate
+from rankwatch.contract import EvalShard, RankSignal, RunUpdate
 from rankwatch.contract.topics import EVAL_RUN_EVENTS
 from rankwatch.settings import Settings
 from rankwatch.stream_processors.evaluation import (
@@ -68,7 +70,7 @@ def register(app: faust.App, settings: Settings) -> None:
     alerts = raw_topic(app, contract.ALERTS)
     control = raw_topic(app, contract.CONTROL)
     out_topics = {contract.REPORTS: reports, contract.ALERTS: alerts, contract.CONTROL: control,
-                  EVAL_RUN_EVENTS: run_events}
+                  EVAL_RUN_EVENTS: run_events, contract.RUN_EVENTS: raw_topic(app, contract.RUN_EVENTS)}
     evals = app.Table("eval-state", default=None, key_type=bytes, use_partitioner=True)
     runs = app.Table("eval-runs", default=None, key_type=bytes)
     merger, tracker = processors(settings)
@@ -158,7 +160,11 @@ def register(app: faust.App, settings: Settings) -> None:
                 state = runs.get(key)
                 state = state if isinstance(state, RunState) else RunState.from_dict(state)
                 out = tracker.apply(state, update, time.time())
-                sends = encoded(*out.alerts, *out.controls)
+                # Run-wide alerts go through stage 2's grouper, where a training NaN's page holds them
+                # back (``grouping``); a rank's own go out as they are. World size 0: an evaluation says
+                # nothing of how many ranks train, which the grouper waits for.
+                sends = encoded(*(RankSignal(alert=a, world_size=0) if a.rank is None else a for a in out.alerts),
+                                *out.controls)
             except EvalStateError as exc:
                 await dead_letter(event, f"unreadable eval state: {exc}")
                 continue

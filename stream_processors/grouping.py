@@ -35,7 +35,9 @@ page.
 
 While a page of ``INHIBITORS`` fires (``inhibit``), a page that would open at or after its step
 below critical severity is kept, not sent: sent if it still fires when the inhibitor resolves,
-silent throughout if it ends first.
+silent throughout if it ends first. Run-wide alerts (a stall, an evaluation's finding) need no
+grouping over ranks and go out as they come, but inhibit holds them back the same way; an
+evaluation's at any severity: evaluating weights that took a NaN or exploded says nothing new.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ PAGE_STEPS = 1
 #: peers, throughput falling) is a symptom. Such a page holds back the run's warnings and infos
 #: that start after it while it fires (``inhibit``), as Alertmanager's inhibit rules would.
 INHIBITORS = frozenset({"nonfinite", "explode"})
+#: The evaluation stage's detectors start so (``eval_nonfinite``, ``eval_regression``, ...): their
+#: run-wide alerts reach the grouper as signals so that an inhibitor holds them back.
+EVALUATION = "eval_"
 
 
 #: Layout of ``RunGroups.to_dict`` (a state stored without a version has version 1's). Raise it when
@@ -97,10 +102,12 @@ class RunGroups:
     progress: dict[str, int] = field(default_factory=dict)
     # page key -> {"incident", "members", "active", "alert"}: conditions paged together (see the module doc)
     pages: dict[str, dict] = field(default_factory=dict)
+    # alert key -> the run-wide alert (as a dict) that an inhibitor holds back while it still fires
+    held: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"version": GROUPS_VERSION, "world_size": self.world_size,
-                "groups": {k: g.to_dict() for k, g in self.groups.items()}, "pages": self.pages}
+                "groups": {k: g.to_dict() for k, g in self.groups.items()}, "pages": self.pages, "held": self.held}
 
     def waiting(self) -> bool:
         return (any(g.pending_since is not None for g in self.groups.values())
@@ -114,7 +121,8 @@ class RunGroups:
         if not d:
             return cls()
         return stored.read(
-            d, lambda f: cls(f["world_size"], {k: Group(**g) for k, g in f["groups"].items()}, pages=f.get("pages", {})),
+            d, lambda f: cls(f["world_size"], {k: Group(**g) for k, g in f["groups"].items()},
+                           pages=f.get("pages", {}), held=f.get("held", {})),
             version=GROUPS_VERSION, what="alert groups", error=GroupsStateError)
 
 
@@ -150,7 +158,7 @@ class Grouper:
             return []  # a replay
         group.last_seen[str(a.rank)] = mark
         if a.rank is None:
-            return [replace(a, key=gkey, ts=now)]  # already about the whole run: nothing to group
+            return self._run_wide(state, replace(a, key=gkey, ts=now), now)
         if a.status == "firing":
             if a.rank not in group.ranks:
                 group.ranks.append(a.rank)
@@ -346,7 +354,21 @@ class Grouper:
                     if other.get("inhibited") and not self._held_back(state, other["incident"]):
                         del other["inhibited"]
                         out.append(self._send_kept(other, now))
+                for key, held in list(state.held.items()):
+                    if not self._held_back(state, held["incident"]):
+                        out.append(replace(Alert.from_dict(state.held.pop(key)), ts=now))
                 return out
+        return [alert]
+
+    def _run_wide(self, state: RunGroups, alert: Alert, now: float) -> list[Alert]:
+        """A run-wide alert as it comes, or [] while an inhibitor holds it back (sent if it still
+        fires when the inhibitor resolves, silent if it resolves first)."""
+        if alert.status == "resolved":
+            return [] if state.held.pop(alert.key, None) is not None else [alert]
+        if (alert.severity != "critical" or alert.detector.startswith(EVALUATION)) \
+                and self._held_back(state, alert.incident):
+            state.held[alert.key] = alert.to_dict()
+            return []
         return [alert]
 
     def _inhibits(self, alert: Alert) -> bool:

@@ -17,7 +17,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from rankwatch import contract
 from rankwatch.broker import free_port
 from rankwatch.cli import main
-from rankwatch.contract import EvalShard
+from rankwatch.contract import EvalShard, Series, TelemetryBatch
 from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 
@@ -183,6 +183,33 @@ def test_a_drop_between_evaluations_raises_a_regression_alert(eval_bootstrap, pr
                            lambda a: a["run"] == run_id and a["detector"] == "eval_regression")
     assert (alert["status"], alert["metric"], alert["step"], alert["rank"]) == ("firing", "correct", 200, None)
     assert alert["key"] == f"{run_id}/eval_regression/correct"
+
+
+def test_an_evaluation_of_weights_that_took_a_nan_waits_for_the_nan_page_to_resolve(eval_bootstrap, producer, run_id):
+    def telemetry(seq, first_step, loss):
+        batch = TelemetryBatch(run=run_id, rank=0, world_size=1, producer="p", seq=seq, ts=time.time(),
+                               series={"loss": Series(np.arange(first_step, first_step + len(loss)), np.asarray(loss))})
+        producer.send(contract.TELEMETRY, batch.to_bytes(), key=batch.key)
+        producer.flush()
+
+    def alert(detector, status):
+        found = consume_json(eval_bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["detector"] == detector
+                             and a["status"] == status)
+        assert found, f"no {status} {detector} alert"
+        return found[0]
+
+    telemetry(0, 0, [2.0, 1.9, float("nan")])
+    nan = alert("nonfinite", "firing")
+    shards = [EvalShard(**{**s.__dict__, "metrics": {**s.metrics, "loss": np.full(len(s.sample_ids), np.nan)}})
+              for s in _shards(run_id, _accuracy(0.8, seed=8), eval_id="step-50", step=50)]
+    _send(producer, *shards)
+    [report] = _reports(eval_bootstrap, run_id, lambda r: r["complete"])
+    assert report["metrics"]["loss"]["n"] == 0
+    telemetry(1, 3, [1.8, 1.7, 1.6, 1.5, 1.4, 1.3])  # the loss is back: the NaN page resolves
+    resolved = alert("nonfinite", "resolved")
+    held = alert("eval_nonfinite", "firing")
+    # Sent by the decision that resolved the NaN page, not when the evaluation was done.
+    assert held["ts"] == resolved["ts"] > nan["ts"] and held["step"] == 50
 
 
 def test_a_restarted_worker_resumes_an_evaluation_from_its_changelog(eval_stack, eval_bootstrap, producer, run_id):

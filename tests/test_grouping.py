@@ -323,6 +323,42 @@ def test_only_a_critical_nan_or_explosion_before_it_holds_a_warning_back():
     assert [a.detector for a in late] == ["nonfinite", "crossrank"]
 
 
+def _run_wide(detector: str, metric: str, status: str = "firing", *, incident: int, severity: str) -> RankSignal:
+    alert = Alert(key=Alert.make_key("r", detector, metric), run="r", status=status, severity=severity,
+                  detector=detector, metric=metric, rank=None, step=incident, value=float("nan"),
+                  message=f"eval at step {incident}: {metric} ({detector})", ts=0.0, incident=incident)
+    return RankSignal(alert=alert, world_size=1)
+
+
+def test_a_nan_page_holds_back_the_evaluations_of_the_broken_weights_at_any_severity():
+    # The next evaluation after a NaN finds every eval loss NaN (critical) and the accuracy down
+    # (warning): both say what the NaN page said. A run-wide stall is news and goes out.
+    grouper, state = Grouper(), RunGroups()
+    [nan] = grouper.add(state, _metric_signal("loss", "nonfinite"), now=0.0)
+    assert grouper.add(state, _run_wide("eval_nonfinite", "loss", incident=200, severity="critical"), now=1.0) == []
+    assert grouper.add(state, _run_wide("eval_regression", "acc", incident=200, severity="warning"), now=1.0) == []
+    [stall] = grouper.add(state, _run_wide("stall", "steps", incident=210, severity="critical"), now=1.5)
+    assert stall.detector == "stall"
+    # Held state survives the changelog; the regression ends while held: never sent, nor its end.
+    state = RunGroups.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert grouper.add(state, _run_wide("eval_regression", "acc", "resolved", incident=200, severity="warning"),
+                       now=2.0) == []
+    # The NaN page resolves while the eval loss is still NaN: that goes out then.
+    out = grouper.add(state, _metric_signal("loss", "nonfinite", "resolved", step=300), now=3.0)
+    assert [(a.detector, a.status, a.ts) for a in out] == [("nonfinite", "resolved", 3.0),
+                                                           ("eval_nonfinite", "firing", 3.0)]
+    assert out[1].key == "r/eval_nonfinite/loss" and out[1].incident == 200
+    [end] = grouper.add(state, _run_wide("eval_nonfinite", "loss", "resolved", incident=200, severity="critical"),
+                        now=4.0)
+    assert (end.detector, end.status) == ("eval_nonfinite", "resolved") and state.held == {}
+    # Without inhibit, or before any NaN, an evaluation's alert goes out as it comes.
+    for grouper, first in ((Grouper(inhibit=False), [_metric_signal("loss", "nonfinite")]), (Grouper(), [])):
+        state = RunGroups()
+        out = [a for s in first for a in grouper.add(state, s, now=0.0)]
+        out += grouper.add(state, _run_wide("eval_nonfinite", "loss", incident=200, severity="critical"), now=1.0)
+        assert out[-1].detector == "eval_nonfinite"
+
+
 def test_a_page_that_turns_critical_is_sent_at_once_within_its_interval():
     # A spike on the gradient at step 119, then the NaN at 120: the NaN joins the spike's page, and
     # a page held for its interval would page the NaN up to two seconds late.
