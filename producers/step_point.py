@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rankwatch.contract import CPU_WAIT
 from rankwatch.producers.collectives import Remainder
 from rankwatch.producers.system import run_delay_s
 from rankwatch.producers.values import Derived
@@ -83,7 +84,7 @@ class StepPoint:
             delay, before = run_delay_s(clock), self._last_delay
             self._last_delay = delay
             if delay is not None and before is not None and last is not None:
-                point["cpu_wait_s"] = cpu_wait = max(0.0, delay - before)
+                point[CPU_WAIT] = cpu_wait = max(0.0, delay - before)
                 waited += max(0.0, cpu_wait - facts.get("cpu_wait_inside_s", 0.0))
         if last is not None:
             left = elapsed - waited

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rankwatch.contract import COLLECTIVE_WAIT, Alert, Rollup, Series, TelemetryBatch
+from rankwatch.contract import COLLECTIVE_WAIT, CPU_WAIT, Alert, Rollup, Series, TelemetryBatch
 from rankwatch.errors import RankwatchError
 from rankwatch.stream_processors import late, stored
 from rankwatch.stream_processors.detectors import Detector, NonFinite
@@ -131,14 +131,15 @@ class Output:
 class TelemetryProcessor:
     rollup_steps: int = 50
     rules: Rules = field(default_factory=default_rules)
-    # metric -> (its per-rank rules by detector, whether stage 2 compares it across ranks, whether
-    # ``nonfinite`` is its only rule: most metrics a trainer logs are such plain gauges)
+    # metric -> (its per-rank rules by detector, whether stage 2 reads it (compares it across ranks,
+    # or quotes it in their alerts), whether ``nonfinite`` is its only rule: most metrics a trainer
+    # logs are such plain gauges)
     _plans: dict[str, tuple[dict[str, Rule], bool, bool]] = field(default_factory=dict, repr=False, compare=False)
 
     def _plan(self, metric: str) -> tuple[dict[str, Rule], bool, bool]:
         found = self._plans.get(metric)
         if found is None:
-            cross = metric == COLLECTIVE_WAIT or self.rules.cross_rank_rule(metric) is not None
+            cross = metric in (COLLECTIVE_WAIT, CPU_WAIT) or self.rules.cross_rank_rule(metric) is not None
             rules = self.rules.for_metric(metric)
             found = self._plans[metric] = (rules, cross, rules.keys() == {NonFinite.name})
         return found

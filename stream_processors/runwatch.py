@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rankwatch.contract import COLLECTIVE_WAIT, Alert, RankProgress
+from rankwatch.contract import COLLECTIVE_WAIT, CPU_WAIT, Alert, RankProgress, Series
 from rankwatch.errors import RankwatchError
 from rankwatch.stream_processors import restarts, stored
 from rankwatch.stream_processors.clocks import OutageClock
@@ -61,6 +61,9 @@ MIN_BLOCKED_S = 1.0
 # A rank not heard from (no batch, no heartbeat) for this fraction of the stall bound has stopped
 # sending: with the default 5 s heartbeats and a bound of at least 10 s, a live rank never gets there.
 SILENT_FRACTION = 0.75
+# A straggler alert quotes the rank's wait for a CPU from this much on: on a host with a core per
+# rank it stays well below, and on the demo's over-full 2-core VM starved ranks waited 5-30 ms a step.
+CPU_NOTED_S = 0.001
 #: Version of ``RunWatch.to_dict``; a worker reads only this one (see ``WatchStateError``).
 WATCH_VERSION = 2
 
@@ -130,6 +133,9 @@ class RunWatch:
     # why; None: its rule was removed since the watch was stored, see ``restarts.reform`` for the
     # rest): the next tick resolves them. Not stored: the write after that tick drops them.
     retired: list[tuple[str, str, str, int | None, Condition, str | None]] = field(default_factory=list)
+    # rank -> its last batch's (steps, cpu_wait_s), quoted in its cross-rank alerts. Not stored: after
+    # a restart the next batches bring it back.
+    cpu_waits: dict[int, Series] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-able and versioned. Times on the outage clock are stored as ages at ``clock``: each
@@ -259,6 +265,8 @@ class RunWatcher:
                 if len(series.values):
                     watch.waits[progress.rank] = (float(series.values[-1]), progress.ts)
                 continue
+            if metric == CPU_WAIT:
+                watch.cpu_waits[progress.rank] = series
             rule = self.rules.cross_rank_rule(metric)
             if rule is None:
                 continue
@@ -377,11 +385,26 @@ class RunWatcher:
             for rank in sorted(set(track.conditions).union(np.flatnonzero(flagged).tolist())):
                 if rank >= n:
                     continue
-                alerts += policy.apply(
+                found = policy.apply(
                     track.conditions.setdefault(rank, Condition()),
                     run=watch.run, rank=rank, metric=metric, detector=track.detector.name,
                     severity=rule.severity or track.detector.severity, steps=np.array([step]),
                     values=values[rank : rank + 1], scores=scores[rank : rank + 1],
                     anomalous=flagged[rank : rank + 1], now=now,
                 )
+                alerts += _with_cpu_wait(found, watch.cpu_waits.get(rank), step)
         return alerts
+
+
+def _with_cpu_wait(alerts: list[Alert], waited: Series | None, step: int) -> list[Alert]:
+    """Firing ``alerts`` of a rank that waited ``CPU_NOTED_S`` or more for a CPU at ``step`` say so: a
+    rank its host starves of CPU holds its peers up as a slow one does (its compute time leaves the
+    wait out, but not its peers' wait for it), and the cause to look for is then the host."""
+    if waited is None or not alerts:
+        return alerts
+    at = np.flatnonzero(waited.steps == step)
+    if not len(at) or not waited.values[at[0]] >= CPU_NOTED_S:
+        return alerts
+    note = (f"; rank {alerts[0].rank} waited {waited.values[at[0]] * 1e3:.0f} ms for a CPU at this step ({CPU_WAIT}): "
+            "its host may be short of CPU")
+    return [replace(a, message=a.message + note) if a.status == "firing" else a for a in alerts]

@@ -223,11 +223,11 @@ def _rules(*, resolve_after: int):
     return dataclasses.replace(base, rules=tuple(dataclasses.replace(r, resolve_after=resolve_after) for r in base.rules))
 
 
-def test_stage_two_gets_the_cross_rank_metrics_and_the_collective_wait_only():
+def test_stage_two_gets_the_cross_rank_metrics_and_the_waits_only():
     proc = TelemetryProcessor(rollup_steps=50)
     out = proc.process(RankState(), _batch(0, [5], {"loss": [1.0], "lr": [0.1], "compute_time_s": [0.2],
-                                                     "collective_wait_s": [3.0]}), now=0.0)
-    assert sorted(out.cross_rank) == ["collective_wait_s", "compute_time_s", "loss"]
+                                                     "collective_wait_s": [3.0], "cpu_wait_s": [0.01]}), now=0.0)
+    assert sorted(out.cross_rank) == ["collective_wait_s", "compute_time_s", "cpu_wait_s", "loss"]
     assert out.last_step == 5
 
 

@@ -164,3 +164,24 @@ def test_a_ddp_stall_names_a_rank_that_died(peers_blocked):
 def test_a_stall_with_nobody_waiting_is_about_the_whole_run():
     alerts = _stopped_job(lambda rank, t: 0.0)  # e.g. every rank stuck reading data
     assert [(a.rank, a.status) for a in alerts] == [(None, "firing")], alerts
+
+
+def test_a_straggler_alert_says_when_the_rank_waited_for_a_cpu():
+    # Rank 1's host starves it from step 40: its peers wait for it in the all-reduce (the wait rule
+    # names it), and the hook measured its wait for a CPU. Rank 2, slow by itself, waited for none.
+    def run(cpu_wait_s: float) -> str:
+        watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
+        fired = []
+        for step in range(60):
+            for rank in range(4):
+                slow = step >= 40 and rank == 1
+                metrics = {"collective_time_s": 0.002 if slow else 0.010 + 0.020 * (step >= 40) + 0.0005 * rank,
+                           "cpu_wait_s": cpu_wait_s if slow else 0.0}
+                fired += watcher.observe(watch, _progress(rank, step, 4, **metrics), now=float(step))
+        [alert] = [a for a in fired if a.status == "firing"]
+        assert (alert.rank, alert.metric) == (1, "collective_time_s")
+        return alert.message
+
+    assert run(0.025).endswith("; rank 1 waited 25 ms for a CPU at this step (cpu_wait_s): "
+                               "its host may be short of CPU")
+    assert "CPU" not in run(0.0)

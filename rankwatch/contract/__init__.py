@@ -42,6 +42,7 @@ from rankwatch.contract.internal import (
 )
 from rankwatch.contract.telemetry import (
     COLLECTIVE_WAIT,
+    CPU_WAIT,
     HEARTBEAT,
     Rollup,
     Series,
@@ -69,5 +70,6 @@ __all__ = [
     "STATUSES", "SEVERITIES", "CONTROL_ACTIONS", "SchemaError",
     "Series", "TelemetryBatch", "UrgentTelemetry", "Rollup", "Alert", "DeadLetter", "EvalShard", "EvalReport", "Control",
     "RankSignal", "RankProgress", "ProgressBatch", "RunUpdate", "Finding", "decode_run_event", "RUN_EVENTS", "INTERNAL_TOPICS",
-    "HEARTBEAT", "COLLECTIVE_WAIT", "telemetry_key", "eval_key", "encode_float", "decode_float", "decode_any",
+    "HEARTBEAT", "COLLECTIVE_WAIT", "CPU_WAIT", "telemetry_key", "eval_key", "encode_float", "decode_float",
+    "decode_any",
 ]

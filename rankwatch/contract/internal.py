@@ -53,7 +53,8 @@ class RankSignal:
 @dataclass(frozen=True)
 class RankProgress:
     """One rank's telemetry batch was applied: how far it got, when it was sent, and the values of
-    the metrics that stage 2 compares across ranks (``series``; may be empty)."""
+    the metrics that stage 2 compares across ranks, and of the waits it reads (``COLLECTIVE_WAIT``,
+    ``CPU_WAIT``) (``series``; may be empty)."""
 
     run: str
     rank: int

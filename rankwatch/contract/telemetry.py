@@ -29,6 +29,9 @@ from rankwatch.errors import SchemaError
 #: collective (a stopped run's blocked ranks wait for the one that is not).
 HEARTBEAT = "heartbeat_age_s"
 COLLECTIVE_WAIT = "collective_wait_s"
+#: The hook's per-step metric of how long the training thread waited for a CPU; stage 2 reads it to
+#: say, with a straggler alert, that the rank's host was short of CPU.
+CPU_WAIT = "cpu_wait_s"
 
 
 def telemetry_key(run: str, rank: int) -> bytes:
