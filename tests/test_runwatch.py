@@ -168,7 +168,7 @@ def test_a_stall_with_nobody_waiting_is_about_the_whole_run():
 
 def test_a_straggler_alert_says_when_the_rank_waited_for_a_cpu():
     # Rank 1's host starves it from step 40: its peers wait for it in the all-reduce (the wait rule
-    # names it), and the hook measured its wait for a CPU. Rank 2, slow by itself, waited for none.
+    # names it), and the hook measured its wait for a CPU. The same slowdown without one gets no note.
     def run(cpu_wait_s: float) -> str:
         watcher, watch = RunWatcher(rules=default_rules()), RunWatch(run="r")
         fired = []
