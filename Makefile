@@ -29,8 +29,12 @@ install: $(BIN)/rankwatch $(KAFKA_JAR)
 demo: install
 	$(BIN)/rankwatch demo
 
+# Two pytest-xdist workers: most broker tests wait, so two share two cores (tests/conftest.py says how
+# the tests are split). TEST_WORKERS=0 runs them one by one, in one process.
+TEST_WORKERS ?= 2
+
 test: install postgres-server alertmanager chromium
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The report store's tests start a throwaway PostgreSQL server from Debian's package (tests/pgserver.py).
 # Installed here when missing and apt-get can (CI: Debian, as root); elsewhere those tests skip.

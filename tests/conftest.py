@@ -63,6 +63,29 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("broker_kind", kinds, indirect=True, scope="session")
 
 
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup): the broker tests spend most
+# of their time waiting on brokers, workers and ranks, so two of them share two cores well. Each worker
+# runs whole modules, so that a module's fixture (a PostgreSQL server, a 3-broker cluster) starts once;
+# everything on Apache Kafka runs on one worker, so that only one JVM at a time starts (the session's
+# node stays up beside a module's cluster, idle). That lane is the longest, so it goes first.
+KAFKA_LANE = "apache-kafka"
+KAFKA_MODULES = {"test_kafka_faults", "test_kafka_security"}
+
+
+def _lane(item: pytest.Item) -> str:
+    callspec = getattr(item, "callspec", None)
+    if item.module.__name__ in KAFKA_MODULES or (callspec and callspec.params.get("broker_kind") == "kafka"):
+        return KAFKA_LANE
+    return item.module.__name__
+
+
+@pytest.hookimpl(trylast=True)  # after pytest groups the tests by broker; before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_lane(item)))
+    items.sort(key=lambda item: (_lane(item) != KAFKA_LANE, item.get_closest_marker("broker") is None))
+
+
 def missing(why: str) -> None:
     """A test needs an outside program (Apache Kafka, PostgreSQL, Alertmanager, Chromium) that is not
     here: ``make test`` installs them where it can. Fails where $RANKWATCH_REQUIRE_ALL is set (CI),
