@@ -10,12 +10,16 @@
    checkpoints, epochs, warm-up, step decay, accumulation, a memory sawtooth, loader hiccups),
    replayed through both stages as the worker runs them (``scenario_replay``). Every alert there
    is false.
+3. The same goal on the corpus of 1: false alerts per 10,000 clean rows of the default rules (both
+   stages, as the worker runs them), each series read in turn as a loss, a grad norm and a
+   throughput, the metrics with the most sensitive rules; and how many labelled windows they find.
 
 The fault scenarios' recall and delays are ``bench/scenarios.py`` (run it with ``--first-seed``
 on seeds not used for tuning).
 
-    python bench/corpus.py            # records the clean runs on first use (~2 min), then ~1 min
+    python bench/corpus.py            # records the clean runs on first use (~2 min), then ~6 min
     python bench/corpus.py --only sweep   # the robustness sweep (fresh seeds, wide ranges), ~1 min
+    python bench/corpus.py --only rules   # the default rules on the corpus, ~5 min
 """
 
 from __future__ import annotations
@@ -120,6 +124,56 @@ def sweep_table(seeds: range = range(400, 424), name: str = "ensemble") -> dict[
     return per
 
 
+#: Metrics whose default rules are the most sensitive: ``--only rules`` reads each corpus series as each.
+RULED_AS = ("loss", "grad_norm", "samples_per_s")
+
+
+def rules_table(splits: dict[str, list[Series]], rules=None) -> dict:
+    """The default rules, not the bare detectors, on the corpus: each series replayed through both
+    stages as one rank's metric named in ``RULED_AS``, a step a second. A firing alert on a row
+    outside every labelled window and past NAB's probation is false; one inside a window finds it."""
+    rules = rules or default_rules()
+    print(f"{'read as':14s} | " + " | ".join(f"{s:^36s}" for s in splits))
+    head = f"{'false':>6s} {'clean rows':>10s} {'per 10k':>8s} {'found':>8s}"
+    print(f"{'':14s} | " + " | ".join(head for _ in splits))
+    results = {}
+    for metric in RULED_AS:
+        cells, shapes = [], {}
+        for split, items in splits.items():
+            false = clean = found = windows = 0
+            for s in items:
+                sw = sweep(s.labels)
+                clean += int((sw.window == -1).sum())
+                windows += sw.n_windows
+                fired = {a.step for a in _replayed(s, metric, rules) if a.status == "firing"}
+                hit = {int(sw.window[step]) for step in fired}
+                wrong = sum(1 for step in fired if sw.window[step] == -1)
+                false += wrong
+                found += len({w for w in hit if w >= 0})
+                if split == "holdout" and wrong:
+                    shape = "real" if s.name.startswith("real") else s.name.split("_s")[0]
+                    shapes[shape] = shapes.get(shape, 0) + wrong
+            results[(metric, split)] = {"false": false, "clean_rows": clean, "found": found, "windows": windows}
+            cells.append(f"{false:6d} {clean:10d} {1e4 * false / max(clean, 1):8.1f} {found:>4d}/{windows:<3d}")
+        print(f"{metric:14s} | " + " | ".join(cells), flush=True)
+        print(f"{'':14s}   held-out false alerts by shape: "
+              + (", ".join(f"{k} {v}" for k, v in sorted(shapes.items(), key=lambda kv: -kv[1])) or "none"))
+    return results
+
+
+def _replayed(s: Series, metric: str, rules) -> list:
+    """Stage 2's alerts for series ``s`` as one rank's ``metric``, one point a message a second."""
+    from rankwatch.contract import Series as Points
+    from rankwatch.contract import TelemetryBatch
+
+    run = f"corpus-{s.name}"
+    batches = [TelemetryBatch(run=run, rank=0, world_size=1, producer="corpus", seq=i, ts=float(i),
+                              series={metric: Points(np.array([i], dtype=np.int64), np.array([v]))},
+                              final=i == len(s.values) - 1)
+               for i, v in enumerate(s.values.tolist())]
+    return [e.alert for e in replay(batches, rules, run)]
+
+
 def clean_runs(rules=None) -> dict[str, dict]:
     """False alerts of the default rules on the recorded clean runs, per part."""
     rules = rules or default_rules()
@@ -147,7 +201,7 @@ def clean_runs(rules=None) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("nab", "runs", "sweep"), help="one table")
+    parser.add_argument("--only", choices=("nab", "rules", "runs", "sweep"), help="one table")
     parser.add_argument("--proposed", action="store_true",
                         help="also score the scenario bench's proposed rules (scenario_rules) on the clean runs")
     args = parser.parse_args(argv)
@@ -162,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{split}: {len(items)} series, {sum(len(s.values) for s in items)} rows, {windows} scored windows")
         print("\nNAB standard profile, default parameters and thresholds (FP/10k: on the clean series):")
         nab_table(splits)
+    if args.only in (None, "rules"):
+        splits = {split: load(split) for split in ("tune", "validate", "holdout")}
+        print("\nDefault rules on the corpus, each series read as one rank's metric (false alerts on clean rows, "
+              "labelled windows found):")
+        rules_table(splits)
     if args.only == "sweep":
         print(f"Robustness sweep: {len(SWEEP_SEEDS)} fresh seeds of each shape, periods and noise drawn wide:")
         sweep_table(SWEEP_SEEDS)
