@@ -253,14 +253,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as exc:
-        # A Kafka client's refused login or TLS handshake (also behind "no broker answered"): one line naming it.
-        from rankwatch.security import explain_failure, is_client_failure
+        # A Kafka client's failure is one line naming it, no traceback: a refused login or TLS handshake
+        # (which kafka-python hides behind "no broker answered"), or no broker at that address.
+        from rankwatch.security import client_error_line, explain_failure, is_client_failure
 
         cause = exc.__cause__ if isinstance(exc, RankwatchError) else exc
         settings = _settings(args) if cause is not None and is_client_failure(cause) else None
         line = settings and explain_failure(cause, settings.bootstrap, settings.security)
         if not line and not isinstance(exc, RankwatchError):
-            raise
+            if settings is None:
+                raise  # a bug: its traceback is what helps
+            line = client_error_line(cause, settings.bootstrap)
         print(f"rankwatch: error: {line or exc}", file=sys.stderr)
         return 2
     finally:

@@ -260,6 +260,16 @@ def auth_error_line(exc: BaseException, bootstrap: str) -> str | None:
             f"broker's certificate): {_first_line(err)}")
 
 
+def client_error_line(exc: BaseException, bootstrap: str) -> str:
+    """One line for a Kafka client's failure that was no refused login (``explain_failure`` names those):
+    most often nothing answered at ``bootstrap``, which kafka-python says only as a timeout."""
+    names, text = {cls.__name__ for cls in type(exc).__mro__}, _first_line(exc)
+    if names & {"NoBrokersAvailable", "KafkaConnectionError"} or "bootstrap" in text.lower():
+        return (f"no Kafka broker answered at {bootstrap}: start one with `rankwatch up` or `rankwatch broker`, "
+                f"or give the address of yours with --bootstrap or $RANKWATCH_BOOTSTRAP")
+    return f"Kafka at {bootstrap}: {text if type(exc).__name__ in text else f'{type(exc).__name__}: {text}'}"
+
+
 _SASL_ERRORS = {"SaslAuthenticationFailedError", "SaslAuthenticationFailed", "AuthenticationFailedError"}
 
 

@@ -8,9 +8,14 @@ import subprocess
 
 import faust
 import pytest
-from kafka.errors import KafkaTimeoutError, SaslAuthenticationFailedError
+from kafka.errors import (
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    SaslAuthenticationFailedError,
+)
 
-from rankwatch.security import PLAINTEXT, KafkaSecurity, auth_error_line, explain_failure
+from rankwatch.security import PLAINTEXT, KafkaSecurity, auth_error_line, client_error_line, explain_failure
 from rankwatch.settings import Settings
 
 SECRET = "pa55-w0rd-never-shown"
@@ -176,6 +181,32 @@ def test_from_env_hands_the_security_to_the_shipper_in_its_environment_not_its_c
     assert config["security_protocol"] == "SASL_SSL" and config["sasl_plain_password"] == SECRET
     assert config["acks"] == 1  # a given producer_config adds to the settings' security
     assert not any(SECRET in arg for arg in args)
+
+
+def test_no_broker_at_the_address_is_one_error_line_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    from rankwatch import sinks
+    from rankwatch.cli import main
+
+    def unreachable(*args, **kwargs):
+        # What kafka-python's consumer raises when nothing answers, after its 30 s bootstrap timeout.
+        raise KafkaTimeoutError("Unable to bootstrap from 127.0.0.1:1")
+
+    monkeypatch.setattr(sinks, "read_topic", unreachable)
+    assert main(["alerts", "--bootstrap", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rankwatch: error: no Kafka broker answered at 127.0.0.1:1: start one with `rankwatch up`")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert client_error_line(KafkaConnectionError("refused"), "b:9092").startswith("no Kafka broker answered at b:9092")
+    assert client_error_line(MessageSizeTooLargeError("1,027,630 bytes"), "b:9092") == \
+        "Kafka at b:9092: [Error 10] MessageSizeTooLargeError: 1,027,630 bytes"
+    assert client_error_line(KafkaTimeoutError(), "b:9092") == "Kafka at b:9092: KafkaTimeoutError"
+
+    def bug(*args, **kwargs):
+        raise ValueError("not a Kafka client's failure")
+
+    monkeypatch.setattr(sinks, "read_topic", bug)
+    with pytest.raises(ValueError):
+        main(["alerts", "--bootstrap", "127.0.0.1:1"])
 
 
 def test_a_refused_login_is_one_error_before_any_kafka_python_client(monkeypatch):
