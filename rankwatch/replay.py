@@ -16,6 +16,7 @@ seen of a (run, rank, producer) sequence.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -36,6 +37,9 @@ def record(bootstrap: str, run: str, path: str | Path, *, stop_after_s: float = 
     """Write every telemetry and eval-shard message of ``run`` now on the broker to ``path``; counts by kind."""
     from rankwatch.sinks.reader import read_topic
 
+    folder = Path(path).resolve().parent  # checked before the topics are read, which takes a while
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise RankwatchError(f"cannot write {path}: {folder} is not a writable directory")
     found = []
     for topic in (TELEMETRY, EVAL_SHARDS):
         for rec in read_topic(bootstrap, topic, stop_after_s=stop_after_s, security=security):
@@ -52,7 +56,11 @@ def record(bootstrap: str, run: str, path: str | Path, *, stop_after_s: float = 
     if not found:
         raise RankwatchError(f"no telemetry or eval shards of run {run!r} on {bootstrap} "
                              "(the embedded broker keeps messages only while it runs)")
-    with open(path, "w", encoding="utf-8") as out:
+    try:
+        out = open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise RankwatchError(f"cannot write {path}: {exc.strerror or exc}") from None
+    with out:
         out.write(json.dumps({"format": FORMAT, "version": VERSION, "run": run, "recorded_at": time.time(),
                               "counts": counts}) + "\n")
         for ts_ms, topic, partition, offset, obj in found:
@@ -63,7 +71,12 @@ def record(bootstrap: str, run: str, path: str | Path, *, stop_after_s: float = 
 
 def read_recording(path: str | Path) -> tuple[dict, Iterator[TelemetryBatch | EvalShard]]:
     """The header and the recorded messages, decoded with the contract (so a bad file fails here)."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise RankwatchError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise RankwatchError(f"{path}: not a rankwatch recording (not text)") from None
     try:
         header = json.loads(lines[0]) if lines else {}
     except ValueError:

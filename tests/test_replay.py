@@ -20,6 +20,8 @@ def test_record_then_replay_gives_the_same_outcome(stack, run_id, tmp_path, caps
     assert wait_for(lambda: any(a["detector"] == "nonfinite" for a in q.alerts(run_id)), 30)
     original = run.records()
     path = tmp_path / "run.jsonl"
+    assert main(["record", "--run", "r", str(tmp_path / "no" / "y.jsonl"), "--bootstrap", stack.bootstrap]) == 2
+    assert capsys.readouterr().err.startswith(f"rankwatch: error: cannot write {tmp_path / 'no' / 'y.jsonl'}: ")
     assert main(["record", "--run", run_id, str(path), "--bootstrap", stack.bootstrap]) == 0
     header, *lines = path.read_text().splitlines()
     assert json.loads(header)["counts"] == {"telemetry": sum(type(r).__name__ == "TelemetryBatch" for r in original),
@@ -50,5 +52,11 @@ def test_replay_refuses_what_it_cannot_use(stack, tmp_path, capsys):
     bad.write_text('{"not": "a recording"}\n')
     assert main(["replay", str(bad), "--bootstrap", stack.bootstrap]) == 2
     assert "not a rankwatch recording" in capsys.readouterr().err
+    bad.write_bytes(bytes(range(128, 256)))
+    assert main(["replay", str(bad), "--bootstrap", stack.bootstrap]) == 2
+    assert "not a rankwatch recording (not text)" in capsys.readouterr().err
+    for missing in (tmp_path / "nowhere.jsonl", tmp_path):
+        assert main(["replay", str(missing), "--bootstrap", stack.bootstrap]) == 2
+        assert capsys.readouterr().err.startswith(f"rankwatch: error: cannot read {missing}: ")
     assert main(["record", "--run", "no-such-run", str(tmp_path / "y.jsonl"), "--bootstrap", stack.bootstrap]) == 2
     assert "no telemetry or eval shards" in capsys.readouterr().err
