@@ -69,6 +69,16 @@ def test_tail_refuses_a_topic_that_is_not_rankwatch_s():
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--ranks", "0"], "at least one rank and one step"),
+    (["--nan-rank", "4"], "--nan-rank 4 is not one of the 4 ranks (0-3)"),
+])
+def test_demo_refuses_a_shape_it_cannot_run_before_starting_anything(args, says):
+    result = _cli("demo", *args, "--bootstrap", "127.0.0.1:1")  # nothing listens: nothing may be asked of it
+    assert result.returncode == 2 and result.stderr.startswith("rankwatch: error: ") and says in result.stderr
+    assert result.stderr.count("\n") == 1 and not result.stdout
+
+
 def _get(url: str) -> tuple[int, str, bytes]:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return resp.status, resp.headers["Content-Type"], resp.read()

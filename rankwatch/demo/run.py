@@ -24,6 +24,7 @@ from collections import Counter
 from rankwatch import contract
 from rankwatch.broker import free_port
 from rankwatch.contract import Alert, EvalReport
+from rankwatch.errors import RankwatchError
 from rankwatch.settings import Settings
 from rankwatch.stack import Stack
 from rankwatch.sinks import TerminalSink, read_topic
@@ -78,6 +79,11 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
     started = time.monotonic()
     run = run or run_id(lr)
     inject = 0 <= nan_step < steps
+    if ranks < 1 or steps < 1:
+        raise RankwatchError(f"the demo needs at least one rank and one step (--ranks {ranks}, --steps {steps})")
+    if inject and not 0 <= nan_rank < ranks:
+        raise RankwatchError(f"--nan-rank {nan_rank} is not one of the {ranks} ranks (0-{ranks - 1}); "
+                             f"--nan-step -1 injects no NaN")
     fault = f"NaN on rank {nan_rank} at step {nan_step}" if inject else "no fault injected"
     print(f"rankwatch demo: run {run}, {ranks} ranks x {steps} steps, lr {lr:g}, {fault}")
     with Stack(settings, embedded=embedded, port=free_port()) as stack:
