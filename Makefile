@@ -29,8 +29,8 @@ install: $(BIN)/rankwatch $(KAFKA_JAR)
 demo: install
 	$(BIN)/rankwatch demo
 
-# Two pytest-xdist workers: most broker tests wait, so two share two cores (tests/conftest.py says how
-# the tests are split). TEST_WORKERS=0 runs them one by one, in one process.
+# Two pytest-xdist workers (tests/conftest.py says why and how the tests are split);
+# TEST_WORKERS=0 runs them one by one, in one process.
 TEST_WORKERS ?= 2
 
 test: install postgres-server alertmanager chromium

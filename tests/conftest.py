@@ -67,16 +67,17 @@ def pytest_generate_tests(metafunc):
 # of their time waiting on brokers, workers and ranks, so two of them share two cores well. Each worker
 # runs whole modules, so that a module's fixture (a PostgreSQL server, a 3-broker cluster) starts once;
 # everything on Apache Kafka runs on one worker, so that only one JVM at a time starts (the session's
-# node stays up beside a module's cluster, idle). That lane is the longest, so it goes first.
+# node stays up beside a module's cluster, idle). Longest first: that lane, then the other broker
+# modules, then the quick ones, which fill in the end on whichever worker is free.
 KAFKA_LANE = "apache-kafka"
 KAFKA_MODULES = {"test_kafka_faults", "test_kafka_security"}
 
 
 def _lane(item: pytest.Item) -> str:
     callspec = getattr(item, "callspec", None)
-    if item.module.__name__ in KAFKA_MODULES or (callspec and callspec.params.get("broker_kind") == "kafka"):
+    if item.path.stem in KAFKA_MODULES or (callspec and callspec.params.get("broker_kind") == "kafka"):
         return KAFKA_LANE
-    return item.module.__name__
+    return item.path.stem
 
 
 @pytest.hookimpl(trylast=True)  # after pytest groups the tests by broker; before xdist reads the groups
