@@ -209,15 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         made = subprocess.run([sys.executable, str(HERE / "data" / "make_corpus.py")])
         if made.returncode:
             return made.returncode  # make_corpus printed why
-    if args.only in (None, "nab"):
+    if args.only in (None, "nab", "rules"):
         splits = {split: load(split) for split in ("tune", "validate", "holdout")}
+    if args.only in (None, "nab"):
         for split, items in splits.items():
             windows = sum(sweep(s.labels).n_windows for s in items)
             print(f"{split}: {len(items)} series, {sum(len(s.values) for s in items)} rows, {windows} scored windows")
         print("\nNAB standard profile, default parameters and thresholds (FP/10k: on the clean series):")
         nab_table(splits)
     if args.only in (None, "rules"):
-        splits = {split: load(split) for split in ("tune", "validate", "holdout")}
         print("\nDefault rules on the corpus, each series read as one rank's metric (false alerts on clean rows, "
               "labelled windows found):")
         rules_table(splits)
