@@ -15,6 +15,8 @@ from rankwatch.security import PLAINTEXT, KafkaSecurity, check_login
 
 log = logging.getLogger(__name__)
 
+KEPT_COUNT_LINE = "topic kept with another partition count:"  # tests look for it
+
 
 def connect_admin(bootstrap: str, timeout_s: float = 10.0, *, security: KafkaSecurity = PLAINTEXT) -> KafkaAdminClient:
     """An admin client, retrying until the broker answers a metadata request or ``timeout_s`` passes."""
@@ -52,6 +54,10 @@ def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOP
         if empty:
             log.warning("re-creating %s with %d partitions (found empty, with another count)", empty, partitions)
             _delete(admin, empty)
+        for topic in (t for t in wrong if t not in empty):
+            log.warning(KEPT_COUNT_LINE + " %s has %d partitions, not %d, and holds messages: deleting it would lose "
+                        "them, so it stays so (at most %d workers share it)", topic, counts[topic], partitions,
+                        counts[topic])
         _create(admin, [t for t in topics if t not in counts or t in empty], partitions, replication)
         return _partition_counts(admin, topics)
     finally:

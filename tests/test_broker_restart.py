@@ -15,6 +15,7 @@ from conftest import TEST_RULES, consume_json
 from kafka import KafkaAdminClient
 
 from rankwatch import contract
+from rankwatch.admin import KEPT_COUNT_LINE
 from rankwatch.broker import EmbeddedBroker, free_port
 from rankwatch.errors import BrokerError
 from rankwatch.producers import RankPublisher
@@ -105,6 +106,7 @@ def test_after_a_broker_restart_the_worker_starts_over_and_alerts_with_no_stall(
                              timeout_s=max(deadline - time.monotonic(), 1.0))
         took = time.monotonic() - restarted
         assert found, f"no alert {took:.0f}s after the restart; worker output:\n" + "\n".join(worker.tail)
+        said = list(worker.tail)  # its lines about the restart, before later ones push them out
         print(f"alert {took:.1f}s after the new broker started")
         time.sleep(5)  # the ranks' spooled steps are in; a stall would be out by now
     finally:
@@ -112,10 +114,14 @@ def test_after_a_broker_restart_the_worker_starts_over_and_alerts_with_no_stall(
     stalls = consume_json(stack.bootstrap, contract.ALERTS, lambda a: a["run"] == run_id and a["detector"] == "stall",
                           timeout_s=3)
     assert stalls == [], stalls
-    # The worker re-created the topics with the configured partition count (the broker's default is 4).
+    # The worker re-created the topics with the configured partition count (the broker auto-creates
+    # with 4). A rank's shipper may reconnect first and fill the auto-created topic: then the worker
+    # keeps it, since deleting would lose those steps, and says so.
     admin = KafkaAdminClient(bootstrap_servers=stack.bootstrap)
     try:
-        counts = {d["name"]: len(d["partitions"]) for d in admin.describe_topics([contract.TELEMETRY])}
+        [described] = admin.describe_topics([contract.TELEMETRY])
     finally:
         admin.close()
-    assert counts == {contract.TELEMETRY: stack.settings.partitions}
+    count = len(described["partitions"])
+    kept = f"{KEPT_COUNT_LINE} {contract.TELEMETRY} has {count} partitions, not {stack.settings.partitions}"
+    assert count == stack.settings.partitions or any(kept in line for line in said), "\n".join(said)

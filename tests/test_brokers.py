@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiokafka
 import pytest
 from faust.types import TP
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
 
-from rankwatch.admin import detect_flavor
+from rankwatch.admin import KEPT_COUNT_LINE, connect_admin, detect_flavor, ensure_topics
 from rankwatch.stack import READY_LINE
 from rankwatch.stream_processors import tansu
 from rankwatch.stream_processors.app import make_app
@@ -84,3 +86,22 @@ def test_a_tracked_topic_stays_in_the_producers_metadata_where_a_refresh_drops_t
     assert known[sent] and known[tracked], known
     if broker_kind == "kafka":
         assert not known[other], "Apache Kafka answered a topic the refresh did not ask for"
+
+
+def test_a_topic_with_another_partition_count_is_recreated_when_empty_and_kept_with_a_warning_when_not(
+        bootstrap, run_id, caplog):
+    """What a worker does with topics a restarted broker auto-created before it could create them."""
+    empty, full = f"empty-{run_id}", f"full-{run_id}"
+    admin = connect_admin(bootstrap)
+    try:
+        admin.create_topics([NewTopic(empty, 2, 1), NewTopic(full, 2, 1)])
+    finally:
+        admin.close()
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    producer.send(full, b"a step a rank's shipper sent first").get(timeout=10)
+    producer.close()
+    with caplog.at_level(logging.WARNING, logger="rankwatch.admin"):
+        counts = ensure_topics(bootstrap, 3, (empty, full))
+    assert counts == {empty: 3, full: 2}
+    assert f"{KEPT_COUNT_LINE} {full} has 2 partitions, not 3" in caplog.text
+    assert f"{KEPT_COUNT_LINE} {empty}" not in caplog.text
