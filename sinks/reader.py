@@ -19,6 +19,9 @@ from rankwatch.security import PLAINTEXT, KafkaSecurity, check_login
 
 log = logging.getLogger(__name__)
 
+# kafka-python waits 30 s for a first broker; a user who typed a command hears sooner (as `up`, 10 s).
+BOOTSTRAP_TIMEOUT_S = 10.0
+
 
 def read_topic(
     bootstrap: str,
@@ -51,6 +54,7 @@ def read_topic(
         fetch_max_wait_ms=50,  # a reader is interactive; on Tansu this also bounds the added latency
         client_id="rankwatch-reader",
         allow_auto_create_topics=False,
+        bootstrap_timeout_ms=int(BOOTSTRAP_TIMEOUT_S * 1000),
         **security.kafka_python(),
     )
     deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
