@@ -188,6 +188,19 @@ def test_a_spike_on_a_sawtooth_soon_after_a_reset_is_reported():
     assert np.flatnonzero(d.decide(d.update(x))).tolist() == [700, 1400, 1450]
 
 
+def test_a_level_change_on_the_side_not_watched_is_no_news():
+    # The same sawtooth for an upward detector (the loss and grad-norm rule's): each reset is a fall
+    # to a new level, which it must not report, yet the rebase's confirmation did, 7 points after
+    # each reset (issue 18: the varied corpus's memory series as a loss). Mirrored for a downward one.
+    rng = np.random.default_rng(11)
+    t = np.arange(1750)
+    x = 2000.0 + 3.0 * (t % 700) + rng.normal(0, 2.0, len(t))
+    x[1450] += 40.0
+    up, down = build("spike", direction="up"), build("spike", direction="down")
+    assert np.flatnonzero(up.decide(up.update(x))).tolist() == [1450]
+    assert np.flatnonzero(down.decide(down.update(-x))).tolist() == [1450]
+
+
 def test_a_burst_that_no_single_point_makes_rare_enough_is_reported_within_a_few_points():
     # Ten points about 6 sigmas up with one dip among them: no point alone is one in a million,
     # and the dip keeps ``rebase`` from confirming a new level; a few far points in a row are that

@@ -15,6 +15,7 @@ from rankwatch.stream_processors.detectors.scoring import (
     SmallestStep,
     check_direction,
     directed,
+    directed_one,
     median_rows,
     resolution,
     standardise,
@@ -298,12 +299,14 @@ class RobustSpike(OnePoint, Detector):
             rebased = None
             if shift is not None:
                 # A level change is confirmed: ``rebase`` points in a row, each as rare as a
-                # 4-sigma one, is far rarer than the threshold on clean data. It is news only if
-                # no point of the run was (a large shift is reported at its first point).
+                # 4-sigma one, is far rarer than the threshold on clean data. It is news only on
+                # the watched side (an upward detector's series falling to a new level, a sawtooth's
+                # reset, is none), and only if no point of the run was (a large shift is reported
+                # at its first point).
                 begun = self.seen + upto - 1 - (self.rebase - 1)
-                if not (s[max(len(s) - self.rebase, 0) :] >= self.threshold).any() and not (
-                    self.marks and self.last_alarm >= begun
-                ):
+                if directed_one(float(self.run), self.direction) > 0 and not (
+                    s[max(len(s) - self.rebase, 0) :] >= self.threshold
+                ).any() and not (self.marks and self.last_alarm >= begun):
                     s[-1] = max(s[-1], 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
                 rebased = upto - 1
             self.marks, self.last_alarm, self.held = hold_recurrences(
