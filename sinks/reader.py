@@ -19,8 +19,11 @@ from rankwatch.security import PLAINTEXT, KafkaSecurity, check_login
 
 log = logging.getLogger(__name__)
 
-# kafka-python waits 30 s for a first broker; a user who typed a command hears sooner (as `up`, 10 s).
+# How long a reader waits for a first broker when it does not follow (as `up`, 10 s). One that
+# follows may be started beside its broker (Apache Kafka takes seconds to start) and keeps
+# kafka-python's 30 s.
 BOOTSTRAP_TIMEOUT_S = 10.0
+FOLLOW_BOOTSTRAP_TIMEOUT_S = 30.0
 
 
 def read_topic(
@@ -54,7 +57,7 @@ def read_topic(
         fetch_max_wait_ms=50,  # a reader is interactive; on Tansu this also bounds the added latency
         client_id="rankwatch-reader",
         allow_auto_create_topics=False,
-        bootstrap_timeout_ms=int(BOOTSTRAP_TIMEOUT_S * 1000),
+        bootstrap_timeout_ms=int(1000 * (FOLLOW_BOOTSTRAP_TIMEOUT_S if follow else BOOTSTRAP_TIMEOUT_S)),
         **security.kafka_python(),
     )
     deadline = None if stop_after_s is None else time.monotonic() + stop_after_s

@@ -288,3 +288,29 @@ def test_notify_command_says_how_many_alerts_stayed_undelivered_and_why(bootstra
     assert "delivered 0, undelivered 1" in done.stderr
     [line] = [line for line in done.stderr.splitlines() if line.startswith("undelivered:")]
     assert alert.key in line and "HTTP 400" in line and "the next run starts with it" in line
+
+
+@pytest.mark.broker
+def test_a_reader_that_follows_waits_for_a_broker_started_after_it(monkeypatch, run_id):
+    """``rankwatch alerts --follow`` typed beside ``rankwatch up``: the reader may come first."""
+    from rankwatch.broker import EmbeddedBroker, free_port
+    from rankwatch.sinks import read_topic, reader
+
+    monkeypatch.setattr(reader, "BOOTSTRAP_TIMEOUT_S", 1.0)  # what one that does not follow would wait
+    port, topic, got = free_port(), f"late-{run_id}", []
+    deadline = time.monotonic() + 30
+
+    def follow():
+        for record in read_topic(f"127.0.0.1:{port}", topic, follow=True,
+                                 stop=lambda: bool(got) or time.monotonic() > deadline):
+            got.append(record.value)
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    time.sleep(3)
+    with EmbeddedBroker(port=port) as broker:
+        producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
+        producer.send(topic, b"late").get(timeout=10)
+        producer.close()
+        thread.join(timeout=35)
+    assert got == [b"late"]
