@@ -175,6 +175,17 @@ def test_ewma_reports_a_sawtooth_reset_three_times_then_learns_the_rhythm():
     assert np.flatnonzero(d.decide(d.update(x))).tolist() == [700, 1400, 2100]
 
 
+def test_ewma_watching_one_side_reports_no_level_change_on_the_other():
+    # The same sawtooth: for an upward ewma each reset is a fall to a new level, no news (it used to
+    # be reported 7 points after each reset, when the re-warm confirmed it); a downward one sees it.
+    rng = np.random.default_rng(9)
+    t = np.arange(3000)
+    x = 2000.0 + 3.0 * (t % 700) + rng.normal(0, 2.0, 3000)
+    up, down = build("ewma", direction="up"), build("ewma", direction="down")
+    assert np.flatnonzero(up.decide(up.update(x))).tolist() == []
+    assert np.flatnonzero(down.decide(down.update(x))).tolist() == [700, 1400, 2100]
+
+
 def test_a_spike_on_a_sawtooth_soon_after_a_reset_is_reported():
     # Memory freed at a checkpoint every 700 steps (longer than any period looked for): each reset
     # is a level change on a ramp. Moved by the medians, the history kept a step of half a window's

@@ -129,9 +129,11 @@ class EwmaResidual(Detector):
         self.last_z = z if math.isfinite(z) else 0.0
         score = 0.0 if magnitude is None else self.calib.update(magnitude, self.threshold)
         if self.rebase and abs(self.run) >= self.rebase:
-            # A new level, confirmed (as ``spike`` scores it): news only if no point of the run
-            # was. Then re-warm on it, starting here.
-            if not (self.marks and self.last_alarm > self.seen - self.rebase):
+            # A new level, confirmed (as ``spike`` scores it): news only on the watched side and
+            # if no point of the run was. Then re-warm on it, starting here.
+            if directed_one(float(self.run), self.direction) > 0 and not (
+                self.marks and self.last_alarm > self.seen - self.rebase
+            ):
                 score = max(score, 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
             self.count, self.dev, self.run, self.last_z = 0, 0.0, 0, 0.0
         if score >= self.threshold:
