@@ -218,6 +218,24 @@ def check_spike_outscores_normal(factory: Factory, data: Data) -> None:
     assert not d.decide(normal).any()
 
 
+def check_one_side_ignores_the_other(factory: Factory, data: Data) -> None:
+    """Told to watch one side (``direction``), a detector flags no move to the other, not even a
+    new level that lasts (a sawtooth's reset, for an upward one). Detectors without one pass."""
+    d = factory()
+    if "direction" not in inspect.signature(type(d).__init__).parameters:
+        return
+    normal = data.normal if data.normal.ndim == 1 else data.normal[:, data.rank]
+    centre = float(np.median(normal))
+    side = 1.0 if data.spike > centre else -1.0  # the spike's side is the one this data watches
+    watcher = type(d).from_state({**d.state_dict(), "direction": "up" if side > 0 else "down"})
+    x = data.normal.copy()
+    moved = x[data.at :] if x.ndim == 1 else x[data.at :, data.rank]
+    # Far to the other side, as a ratio too (a blow-up detector works on logs), and still positive.
+    moved -= side * (0.9 * moved if side > 0 else 50.0 * np.abs(moved))
+    flagged = watcher.decide(watcher.update(_readonly(x)))
+    assert not np.asarray(flagged).any(), np.flatnonzero(np.asarray(flagged).reshape(len(x), -1).any(axis=1))
+
+
 CHECKS = [
     check_score_is_pure,
     check_scores_finite_in_unit_interval,
@@ -230,6 +248,7 @@ CHECKS = [
     check_docstring,
     check_warmup_scores_zero,
     check_spike_outscores_normal,
+    check_one_side_ignores_the_other,
 ]
 
 __all__ = ["CHECKS", "Data", *[c.__name__ for c in CHECKS]]
