@@ -16,6 +16,9 @@ from rankwatch.security import PLAINTEXT, KafkaSecurity, check_login
 log = logging.getLogger(__name__)
 
 KEPT_COUNT_LINE = "topic kept with another partition count:"  # tests look for it
+#: How long a create or a delete may take to show. Apache Kafka answers both before every broker's
+#: metadata has them (a create right after a delete is refused: the name is not free yet); Tansu at once.
+SETTLE_S = 30.0
 
 
 def connect_admin(bootstrap: str, timeout_s: float = 10.0, *, security: KafkaSecurity = PLAINTEXT) -> KafkaAdminClient:
@@ -55,11 +58,12 @@ def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOP
             log.warning("re-creating %s with %d partitions (found empty, with another count)", empty, partitions)
             _delete(admin, empty)
         for topic in (t for t in wrong if t not in empty):
-            log.warning(KEPT_COUNT_LINE + " %s has %d partitions, not %d, and holds messages: deleting it would lose "
-                        "them, so it stays so (at most %d workers share it)", topic, counts[topic], partitions,
+            log.warning(KEPT_COUNT_LINE + " %s has %d partitions, not %d, and holds messages: kept as it is, since "
+                        "deleting it would lose them (at most %d workers share it)", topic, counts[topic], partitions,
                         counts[topic])
-        _create(admin, [t for t in topics if t not in counts or t in empty], partitions, replication)
-        return _partition_counts(admin, topics)
+        made = [t for t in topics if t not in counts or t in empty]
+        _create(admin, made, partitions, replication)
+        return {**counts, **_await_created(admin, made, partitions, replication)}
     finally:
         admin.close()
 
@@ -79,6 +83,7 @@ def drop_mismatched(bootstrap: str, topics: list[str], partitions: int, *,
         if wrong:
             log.warning("deleting %s: partition counts %s, not %d", wrong, [counts[t] for t in wrong], partitions)
             _delete(admin, wrong)
+            _await_gone(admin, wrong)  # Faust creates them again
         return wrong
     finally:
         admin.close()
@@ -88,6 +93,33 @@ def _partition_counts(admin: KafkaAdminClient, topics: tuple[str, ...]) -> dict[
     existing = set(admin.list_topics())
     present = [t for t in topics if t in existing]
     return {d["name"]: len(d["partitions"]) for d in admin.describe_topics(present)} if present else {}
+
+
+def _await_created(admin: KafkaAdminClient, topics: list[str], partitions: int, replication: int) -> dict[str, int]:
+    """The counts of ``topics`` once each shows with ``partitions``, creating again those still missing
+    (refused while a deleted one's name is not free); after ``SETTLE_S``, what shows then (a worker
+    adopts it). Raises ``BrokerError`` if one is still missing: no worker can read it."""
+    deadline = time.monotonic() + SETTLE_S
+    while topics:
+        counts = _partition_counts(admin, tuple(topics))
+        missing = [t for t in topics if t not in counts]
+        if not missing and set(counts.values()) == {partitions}:
+            return counts
+        if time.monotonic() > deadline:
+            if missing:
+                raise BrokerError(f"topics {missing} were not there {SETTLE_S:.0f}s after they were created")
+            return counts
+        _create(admin, missing, partitions, replication)
+        time.sleep(0.2)
+    return {}
+
+
+def _await_gone(admin: KafkaAdminClient, topics: list[str]) -> None:
+    """Until none of the deleted ``topics`` shows (or ``SETTLE_S``): whoever creates them next is refused
+    while a name is not free."""
+    deadline = time.monotonic() + SETTLE_S
+    while _partition_counts(admin, tuple(topics)) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _empty(bootstrap: str, counts: dict[str, int], security: KafkaSecurity = PLAINTEXT) -> list[str]:
