@@ -20,7 +20,8 @@ from rankwatch.contract import (
 )
 from rankwatch.errors import SchemaError
 from rankwatch.stream_processors.batching import process_batch
-from rankwatch.stream_processors.grouping import Grouper, RunGroups
+from rankwatch.stream_processors.grouping import Grouper
+from rankwatch.stream_processors.groups import RunGroups
 from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules
 from rankwatch.stream_processors.runwatch import RunWatch, RunWatcher

@@ -14,7 +14,8 @@ from rankwatch.settings import Settings
 from rankwatch.stream_processors.alert_sender import AlertSender, AlertSenderClosed, Paging
 from rankwatch.stream_processors.batching import process_in_parts
 from rankwatch.stream_processors.clocks import LagWatch, OutageClock
-from rankwatch.stream_processors.grouping import Grouper, GroupsStateError, RunGroups, latest
+from rankwatch.stream_processors.grouping import Grouper, latest
+from rankwatch.stream_processors.groups import GroupsStateError, RunGroups
 from rankwatch.stream_processors.lane import LanePager, LaneReader
 from rankwatch.stream_processors.processor import TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules

@@ -25,7 +25,8 @@ from kafka import KafkaConsumer, TopicPartition
 
 from rankwatch.contract import URGENT, Alert, UrgentTelemetry
 from rankwatch.stream_processors.alert_sender import Paging
-from rankwatch.stream_processors.grouping import Grouper, RunGroups
+from rankwatch.stream_processors.grouping import Grouper
+from rankwatch.stream_processors.groups import RunGroups
 from rankwatch.stream_processors.rules import Rules
 from rankwatch.stream_processors.urgent import urgent_signals
 

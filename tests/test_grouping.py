@@ -7,7 +7,8 @@ import json
 import pytest
 
 from rankwatch.contract import Alert, RankSignal
-from rankwatch.stream_processors.grouping import Grouper, RunGroups
+from rankwatch.stream_processors.grouping import Grouper
+from rankwatch.stream_processors.groups import RunGroups
 
 
 def _signal(rank: int, status: str = "firing", *, incident: int = 120, step: int = 120, world: int = 8) -> RankSignal:

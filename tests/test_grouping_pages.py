@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from rankwatch.contract import Alert, RankSignal
-from rankwatch.stream_processors.grouping import GROUPS_VERSION, Grouper, GroupsStateError, RunGroups
+from rankwatch.stream_processors.grouping import Grouper
+from rankwatch.stream_processors.groups import GROUPS_VERSION, GroupsStateError, RunGroups
 
 
 def _metric_signal(metric: str, detector: str, status: str = "firing", *, incident: int = 120, step: int = 120,

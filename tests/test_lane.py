@@ -13,7 +13,8 @@ from kafka import KafkaProducer
 from rankwatch.admin import connect_admin, ensure_topics
 from rankwatch.contract import Series, UrgentTelemetry
 from rankwatch.stream_processors.alert_sender import Paging
-from rankwatch.stream_processors.grouping import Group, Grouper, RunGroups
+from rankwatch.stream_processors.grouping import Grouper
+from rankwatch.stream_processors.groups import Group, RunGroups
 from rankwatch.stream_processors.lane import POLL_S, LaneMarks, LanePager, LaneReader
 from rankwatch.stream_processors.rules import Rules
 

@@ -9,7 +9,8 @@ import pytest
 
 from rankwatch.contract import RankSignal, Series, TelemetryBatch, UrgentTelemetry, decode_run_event
 from rankwatch.producers.outbox import Outbox
-from rankwatch.stream_processors.grouping import Grouper, RunGroups
+from rankwatch.stream_processors.grouping import Grouper
+from rankwatch.stream_processors.groups import RunGroups
 from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
 from rankwatch.stream_processors.rules import Rules, default_rules
 from rankwatch.stream_processors.urgent import urgent_signals
