@@ -62,8 +62,7 @@ def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = TOP
                         "deleting it would lose them (at most %d workers share it)", topic, counts[topic], partitions,
                         counts[topic])
         made = [t for t in topics if t not in counts or t in empty]
-        _create(admin, made, partitions, replication)
-        return {**counts, **_await_created(admin, made, partitions, replication)}
+        return {**counts, **_create_until_shown(admin, made, partitions, replication)}
     finally:
         admin.close()
 
@@ -95,23 +94,24 @@ def _partition_counts(admin: KafkaAdminClient, topics: tuple[str, ...]) -> dict[
     return {d["name"]: len(d["partitions"]) for d in admin.describe_topics(present)} if present else {}
 
 
-def _await_created(admin: KafkaAdminClient, topics: list[str], partitions: int, replication: int) -> dict[str, int]:
-    """The counts of ``topics`` once each shows with ``partitions``, creating again those still missing
-    (refused while a deleted one's name is not free); after ``SETTLE_S``, what shows then (a worker
-    adopts it). Raises ``BrokerError`` if one is still missing: no worker can read it."""
+def _create_until_shown(admin: KafkaAdminClient, topics: list[str], partitions: int,
+                        replication: int) -> dict[str, int]:
+    """Create ``topics``; their counts once each shows with ``partitions``, creating again those still
+    missing (refused while a deleted one's name is not free); after ``SETTLE_S``, what shows then (a
+    worker adopts it). Raises ``BrokerError`` if one is still missing: no worker can read it."""
     deadline = time.monotonic() + SETTLE_S
-    while topics:
-        counts = _partition_counts(admin, tuple(topics))
+    missing = list(topics)
+    while True:
+        _create(admin, missing, partitions, replication)
+        counts = _partition_counts(admin, tuple(topics)) if topics else {}
         missing = [t for t in topics if t not in counts]
-        if not missing and set(counts.values()) == {partitions}:
+        if not missing and set(counts.values()) <= {partitions}:
             return counts
         if time.monotonic() > deadline:
             if missing:
                 raise BrokerError(f"topics {missing} were not there {SETTLE_S:.0f}s after they were created")
             return counts
-        _create(admin, missing, partitions, replication)
         time.sleep(0.2)
-    return {}
 
 
 def _await_gone(admin: KafkaAdminClient, topics: list[str]) -> None:
