@@ -156,6 +156,22 @@ def test_a_spike_on_a_rising_series_is_seen_against_its_local_line():
     assert d.trending
 
 
+def test_a_cycle_the_line_mistook_for_level_changes_is_found_and_its_turns_are_no_news():
+    # A daily cycle of 144 points whose noise is small beside it: before three cycles are seen it
+    # is judged against its window's line, which overshoots where the cycle turns, and the runs of
+    # far points there were confirmed as level changes. Moving the history by them hid the period
+    # until step 1,900, and each turn was an alert meanwhile (issue 18: the sweep's daily series,
+    # 17 false alerts). The series as it came shows the period: the moves are undone.
+    rng = np.random.default_rng(14)
+    t = np.arange(2000)
+    x = 50 + 20 * np.sin(2 * np.pi * t / 144) + 5 * np.sin(4 * np.pi * t / 144) + rng.normal(0, 0.7, len(t))
+    x[1700] += 10.0
+    d = build("spike", direction="up")
+    flagged = [i for i, v in enumerate(x) if d.decide(d.update(np.array([v])))[0]]
+    assert [i for i in flagged if i >= 600] == [1700]
+    assert d.period == 144 and d.moves == []
+
+
 def test_a_large_level_shift_is_news_at_its_first_point_only():
     # Each point after a 20-sigma shift is as far from the old median as the first, but it agrees
     # with the points just before it: the shift is one flagged point, then a re-baseline.

@@ -62,7 +62,9 @@ class RobustSpike(OnePoint, Detector):
     changed: the history is moved to the new level (by the gap between the medians before and
     after, or, on a trending series whose new points climb at its slope, between its line and
     theirs: a sawtooth's reset), so a persistent shift is reported once, at its start, instead of
-    firing until the median catches up, and the recurring shape learned before it is kept. The point that confirms
+    firing until the median catches up, and the recurring shape learned before it is kept. Level
+    changes confirmed while no period was known are undone once the series as it came shows a
+    period that the moved history hides: they were a cycle's turns. The point that confirms
     the change scores ``1 - P(|z| >= 4) ** rebase``: a shift of 4 to 8 sigmas that no single
     point makes rare enough is reported there, ``rebase - 1`` points after it began. ``min_scale`` floors the
     unit (absolutely and relative to the median), so a perfectly flat series scores 0 and its
@@ -119,6 +121,7 @@ class RobustSpike(OnePoint, Detector):
         trending: bool = False,
         last_z: float = 0.0,
         pairs: Sequence[float] = (0.0, 0.0, PAIR_PRIOR[0] / PAIR_PRIOR[1]),
+        moves: Sequence[Sequence[float]] = (),
     ):
         if window < 3 or not 2 <= warmup <= window:
             raise ValueError("need window >= 3 and 2 <= warmup <= window")
@@ -146,6 +149,10 @@ class RobustSpike(OnePoint, Detector):
         # Far points seen, how many followed a far point, and P(far | far) for the run in progress
         # (``runs.score_runs``).
         self.pairs = [float(v) for v in pairs]
+        # The level changes confirmed since a period was last known, whose moved points are still in
+        # the history: (position in ``seen`` of the first point not moved, the gap added to the
+        # points before it), so that ``_undo_moves`` can see the series as it came.
+        self.moves = [[int(p), float(d)] for p, d in moves]
         self._smallest = SmallestStep()  # for ``_resolution_floor_one``; not state
         # (seen, period, residuals): against the phase, the residuals of the window before the point
         # after ``seen`` learned points, for the one-point path to carry on; not state
@@ -238,6 +245,10 @@ class RobustSpike(OnePoint, Detector):
             return
         history = np.asarray(self.history)
         period = detect_period(history, self.window, self.max_period) if self.max_period else 0
+        if period or not self.max_period:
+            self.moves = []
+        elif self.moves:
+            period, history = self._undo_moves(history)
         trending = self.follows_trend and not period and trend_helps(history, self.window)
         # The tail model carries over to the new model: starting it afresh from the half-normal
         # prior made every routine burst the new model does not predict (a loader hiccup every 23
@@ -248,6 +259,26 @@ class RobustSpike(OnePoint, Detector):
         if self.trending and not trending:
             self.calib = TailModel(prior_counts(half_normal_sf, PRIOR_WEIGHT), memory=self.memory)
         self.period, self.trending = period, trending
+
+    def _undo_moves(self, history: np.ndarray) -> tuple[int, np.ndarray]:
+        """The period of the series as it came, and the history to keep, when the moved ``history`` has none.
+
+        Level changes confirmed on a cycle the detector has not found yet are mostly the line's
+        overshoot where the cycle turns: a daily cycle of 144 points, judged against its window's
+        line, had its history moved by up to twice its amplitude, which hid the very period that
+        explains the turns. If the series as it came has a period, the moves are undone."""
+        first = self.seen - len(history)  # the position of ``history[0]``
+        self.moves = [m for m in self.moves if m[0] > first]
+        raw = history.copy()
+        for position, gap in self.moves:
+            raw[: position - first] -= gap
+        period = detect_period(raw, self.window, self.max_period)
+        if not period:
+            return 0, history
+        self.moves, self._residuals = [], None
+        self.history = raw.tolist()
+        self._smallest.forget()
+        return period, raw
 
     def update(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
@@ -323,7 +354,11 @@ class RobustSpike(OnePoint, Detector):
                 # The level changed. The run's points come from the series: those before this call
                 # are in the history (a run that began in an earlier batch moves as one that began here).
                 upto = done + rebased + 1
-                moved = at_new_level(series, start + upto - done, abs(self.run), self.window, line=self.trending)
+                end = start + upto - done
+                moved = at_new_level(series, end, abs(self.run), self.window, line=self.trending)
+                cut = end - abs(self.run)  # the run's first point: those before it moved
+                if cut > 0 and self.max_period and not self.period:  # see ``_undo_moves``
+                    self.moves.append([self.seen - start + cut, float(moved[cut - 1] - series[cut - 1])])
                 self.history = moved[-self.span :].tolist()
                 self.seen += upto - done
                 self.run, done = 0, upto
@@ -356,4 +391,5 @@ class RobustSpike(OnePoint, Detector):
             "trending": self.trending,
             "last_z": self.last_z,
             "pairs": list(self.pairs),
+            "moves": [list(m) for m in self.moves],
         }
