@@ -86,6 +86,20 @@ def test_a_quantised_gauge_flickering_by_one_unit_is_quiet_and_a_jump_of_several
     assert d.decide(d.update(np.array([x[-1] + 1.5])))[0]
 
 
+def test_a_gauge_that_held_still_longer_than_the_history_keeps_its_unit():
+    # A reading to 0.1 that moved once, then held still for 1,400 points (longer than the 964 the
+    # history keeps): its next one-unit step was a thousand-sigma first wiggle (issue 18: the varied
+    # corpus's quantised gauges). The unit is learned for good; a first step ever, and a jump of
+    # ten units, are still news.
+    x = np.full(2000, 75.0)
+    x[100:120] = 75.1
+    x[1500:] = 75.1
+    x[1800] = 76.1
+    d = build("spike", direction="up")
+    flagged = [i for i, v in enumerate(x) if d.decide(d.update(np.array([v])))[0]]
+    assert flagged == [100, 1800]
+    assert d.unit == pytest.approx(0.1)
+
 def test_an_event_that_recurs_at_a_fixed_spacing_is_reported_three_times_then_learned():
     # A checkpoint every 450 steps is longer than any period spike looks for (300): its first two
     # three alarms stand, the fourth at the same spacing is the same event again (issue 18).

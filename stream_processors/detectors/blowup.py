@@ -64,13 +64,14 @@ class Blowup(RobustSpike):
         last_z: float = 0.0,
         pairs: Sequence[float] = (0.0, 0.0, PAIR_PRIOR[0] / PAIR_PRIOR[1]),
         moves: Sequence[Sequence[float]] = (),
+        unit: float = 0.0,
     ):
         if min_factor <= 1 or floor <= 0:
             raise ValueError("need min_factor > 1 and floor > 0")
         super().__init__(
             window=window, warmup=warmup, threshold=threshold, direction="up", tail=tail, memory=memory,
             rebase=rebase, max_period=max_period, history=history, calib=calib, run=run, period=period, seen=seen,
-            marks=marks, last_alarm=last_alarm, held=held, last_z=last_z, pairs=pairs, moves=moves,
+            marks=marks, last_alarm=last_alarm, held=held, last_z=last_z, pairs=pairs, moves=moves, unit=unit,
         )
         self.min_factor, self.floor = min_factor, floor
         self._min_log_scale = math.log(min_factor) / 8.0  # a min_factor jump is z = 8 at least
@@ -125,4 +126,5 @@ class Blowup(RobustSpike):
             "last_z": self.last_z,
             "pairs": list(self.pairs),
             "moves": [list(m) for m in self.moves],
+            "unit": self.unit,
         }

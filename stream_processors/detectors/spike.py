@@ -69,8 +69,9 @@ class RobustSpike(OnePoint, Detector):
     point makes rare enough is reported there, ``rebase - 1`` points after it began. ``min_scale`` floors the
     unit (absolutely and relative to the median), so a perfectly flat series scores 0 and its
     first real wiggle is reported once; so does half the reading's resolution (the smallest step
-    between two values seen), so a quantised gauge that flickers by one unit is not spiking. Non-finite points score 0 here (``NonFinite`` owns them)
-    and are not learned.
+    between two values seen, in the history or before it), so a quantised gauge that flickers by
+    one unit is not spiking, even after it held still for longer than the history. Non-finite
+    points score 0 here (``NonFinite`` owns them) and are not learned.
 
     ``min_run`` (1: any point) is how many far points in a row, on the watched side, a deviation
     needs before it is news. With 2, one slow step (a loader hiccup, a descheduled process) never
@@ -122,6 +123,7 @@ class RobustSpike(OnePoint, Detector):
         last_z: float = 0.0,
         pairs: Sequence[float] = (0.0, 0.0, PAIR_PRIOR[0] / PAIR_PRIOR[1]),
         moves: Sequence[Sequence[float]] = (),
+        unit: float = 0.0,
     ):
         if window < 3 or not 2 <= warmup <= window:
             raise ValueError("need window >= 3 and 2 <= warmup <= window")
@@ -153,6 +155,9 @@ class RobustSpike(OnePoint, Detector):
         # the history: (position in ``seen`` of the first point not moved, the gap added to the
         # points before it), so that ``_undo_moves`` can see the series as it came.
         self.moves = [[int(p), float(d)] for p, d in moves]
+        # The smallest non-zero step between two learned points (0: none yet): a quantised reading
+        # keeps its unit when its last step has left the history (``_resolution_floor``).
+        self.unit = float(unit)
         self._smallest = SmallestStep()  # for ``_resolution_floor_one``; not state
         # (seen, period, residuals): against the phase, the residuals of the window before the point
         # after ``seen`` learned points, for the one-point path to carry on; not state
@@ -219,9 +224,21 @@ class RobustSpike(OnePoint, Detector):
 
     def _resolution_floor(self, series: np.ndarray, first: int) -> np.ndarray:
         """For each point from ``first``: half the reading's resolution (``scoring.resolution``) over
-        the ``span`` points before it (what the history holds when points come one at a time), so a
-        one-unit step of a quantised gauge is no spike."""
-        return 0.5 * resolution(series, first, self.span)
+        the ``span`` points before it (what the history holds when points come one at a time), or
+        over every point learned, so a one-unit step of a quantised gauge is no spike, even after
+        the gauge held still for longer than the history (a first step in a thousand is)."""
+        found = resolution(series, first, self.span)
+        if self.unit:
+            found = np.where(found > 0, np.minimum(found, self.unit), self.unit)
+        return 0.5 * found
+
+    def _learn_unit(self, points: np.ndarray) -> None:
+        """Carry ``unit`` over the steps between consecutive learned ``points``."""
+        steps = np.abs(np.diff(points))
+        steps = steps[steps > 0]
+        if len(steps):
+            smallest = float(steps.min())
+            self.unit = min(self.unit, smallest) if self.unit else smallest
 
     def score(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
@@ -346,6 +363,7 @@ class RobustSpike(OnePoint, Detector):
             last = z[upto - 1] if upto > warm else 0.0
             self.last_z = float(last) if rebased is None and math.isfinite(last) else 0.0
             scores[finite[done + warm : done + upto]] = s
+            self._learn_unit(series[max(start - 1, 0) : start + (stop - done if rebased is None else rebased + 1)])
             if rebased is None:
                 self.history = series[-self.span :].tolist()
                 self.seen += stop - done
@@ -392,4 +410,5 @@ class RobustSpike(OnePoint, Detector):
             "last_z": self.last_z,
             "pairs": list(self.pairs),
             "moves": [list(m) for m in self.moves],
+            "unit": self.unit,
         }

@@ -103,6 +103,10 @@ class OnePoint:
     def _learn_one(self, x: float, z: float, score: float) -> float:
         """The one-point path's end: ``x`` joins the history with ``z`` (0 while warming up); returns ``score``."""
         self.last_z = z
+        if self.history:
+            step = abs(x - self.history[-1])
+            if step > 0 and not 0 < self.unit <= step:
+                self.unit = step
         self.history.append(x)
         del self.history[: -self.span]
         self._smallest.advance(self.history)
@@ -111,5 +115,6 @@ class OnePoint:
         return score
 
     def _resolution_floor_one(self, history: list[float]) -> float:
-        """``_resolution_floor`` of the point after ``history``: half its smallest non-zero step."""
-        return 0.5 * self._smallest.resolution(history)
+        """``_resolution_floor`` of the point after ``history``: half its smallest non-zero step, or ``unit``."""
+        found = self._smallest.resolution(history)
+        return 0.5 * (min(found, self.unit) if found and self.unit else found or self.unit)
