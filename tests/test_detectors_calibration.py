@@ -186,6 +186,21 @@ def test_a_cycle_the_line_mistook_for_level_changes_is_found_and_its_turns_are_n
     assert d.period == 144 and d.moves == []
 
 
+def test_a_dip_on_a_cycle_is_reported_once_and_leaves_the_cycle_whole():
+    # A 20-point dip on a daily cycle whose period is known: the level change in and out of it was
+    # measured by the medians of the points, which say where in the cycle they lie, so the history
+    # was moved by the wrong gaps and every turn for three periods after was an alert (issue 18:
+    # the sweep's daily series). Measured on the residuals from the phase, the moves cancel.
+    rng = np.random.default_rng(23)
+    t = np.arange(3000)
+    x = 50 + 20 * np.sin(2 * np.pi * t / 144) + 5 * np.sin(4 * np.pi * t / 144) + rng.normal(0, 1.0, len(t))
+    x[2100:2120] -= 12.0
+    d = build("spike", direction="up")
+    flagged = [i for i, v in enumerate(x) if d.decide(d.update(np.array([v])))[0]]
+    assert [i for i in flagged if i >= 600] == [2120]  # the way back up, the watched side
+    assert d.period == 144
+
+
 def test_a_large_level_shift_is_news_at_its_first_point_only():
     # Each point after a 20-sigma shift is as far from the old median as the first, but it agrees
     # with the points just before it: the shift is one flagged point, then a re-baseline.

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from rankwatch.stream_processors.detectors.scoring import directed
-from rankwatch.stream_processors.detectors.seasonal import line_slope, local_line
+from rankwatch.stream_processors.detectors.seasonal import line_slope, local_line, phase_baseline
 
 #: A point this many robust sigmas off, in the same direction as the ones before it, counts
 #: towards a level change (``rebase``).
@@ -88,7 +88,9 @@ def advance_shift(z: np.ndarray, run: int, rebase: int) -> tuple[int, int | None
     return run, None
 
 
-def at_new_level(series: np.ndarray, end: int, run: int, window: int, line: bool = False) -> np.ndarray:
+def at_new_level(
+    series: np.ndarray, end: int, run: int, window: int, line: bool = False, period: int = 0
+) -> np.ndarray:
     """``series[:end]``, whose last ``run`` points confirmed a level change, with the points before
     them moved to the new level: by the gap between the run's median and the median of the
     ``window`` points before it, so the rolling statistics and the recurring shape carry on.
@@ -99,10 +101,20 @@ def at_new_level(series: np.ndarray, end: int, run: int, window: int, line: bool
     a checkpoint) then continues the same ramp, where moving it by the medians left a step of half
     a window's rise in the history, which widened every later window's spread until the step left
     it. A run that does not continue the slope (a daily cycle turning, which the line overshoots)
-    moves by the medians."""
+    moves by the medians.
+
+    With a ``period`` (the series judged against its phase), by the gap between the medians of the
+    run's and the window's residuals from their phase: the medians of a cycle's points say where
+    in the cycle they lie, not where its level is, and a dip of 20 points on a daily cycle, moved
+    down and then up by them, left the history's cycle broken and its period lost."""
     before, new = series[: max(end - run, 0)], series[max(end - run, 0) : end]
     if not len(before):
         return series[:end].copy()
+    start = len(before) - window
+    if period and start >= 3 * period:
+        residual = series[start:end] - phase_baseline(series[:end], period, start)
+        delta = float(np.median(residual[window:]) - np.median(residual[:window]))
+        return np.r_[before + delta, new]
     rows = before[None, -window:]
     slope = float(line_slope(rows)[0]) if line and len(before) >= window and len(new) >= 4 else 0.0
     if slope and abs(float(line_slope(new[None])[0]) - slope) <= 0.5 * abs(slope):

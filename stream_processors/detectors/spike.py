@@ -373,7 +373,7 @@ class RobustSpike(OnePoint, Detector):
                 # are in the history (a run that began in an earlier batch moves as one that began here).
                 upto = done + rebased + 1
                 end = start + upto - done
-                moved = at_new_level(series, end, abs(self.run), self.window, line=self.trending)
+                moved = at_new_level(series, end, abs(self.run), self.window, line=self.trending, period=self.period)
                 cut = end - abs(self.run)  # the run's first point: those before it moved
                 if cut > 0 and self.max_period and not self.period:  # see ``_undo_moves``
                     self.moves.append([self.seen - start + cut, float(moved[cut - 1] - series[cut - 1])])
