@@ -100,17 +100,31 @@ def test_a_gauge_that_held_still_longer_than_the_history_keeps_its_unit():
     assert flagged == [100, 1800]
     assert d.unit == pytest.approx(0.1)
 
-def test_an_event_that_recurs_at_a_fixed_spacing_is_reported_three_times_then_learned():
+
+def test_an_event_that_recurs_at_a_fixed_spacing_is_reported_twice_then_learned():
     # A checkpoint every 450 steps is longer than any period spike looks for (300): its first two
-    # three alarms stand, the fourth at the same spacing is the same event again (issue 18).
+    # alarms stand; the third at the same spacing, and no further out, is the same event again
+    # (issue 18: it was held from the fourth, and the corpus's checkpoints and evaluation pauses
+    # alarmed three times).
     rng = np.random.default_rng(4)
     x = 0.1 * np.exp(rng.normal(0, 0.05, 3000))
     x[np.arange(3000) % 450 == 449] *= 12.0
     d = build("spike")
     flagged = np.flatnonzero(d.decide(d.update(x)))
-    assert flagged.tolist() == [449, 899, 1349]
+    assert flagged.tolist() == [449, 899]
     # A fault off that rhythm is still news.
     assert d.decide(d.update(np.r_[x[:100], 1.2]))[-1]
+
+
+def test_a_fault_far_further_out_than_the_rhythm_it_falls_on_is_news():
+    # Two evaluation bursts of 6x a step, 56 steps apart, then a stall of 60x 56 steps later: it
+    # begins at their spacing, but ten times as far out, so it is no third burst.
+    rng = np.random.default_rng(4)
+    x = 0.1 * np.exp(rng.normal(0, 0.05, 1000))
+    x[[500, 556]] *= 6.0
+    x[612] *= 60.0
+    d = build("spike")
+    assert np.flatnonzero(d.decide(d.update(x))).tolist() == [500, 556, 612]
 
 
 def test_a_rhythm_is_held_even_with_other_alarms_between_its_occurrences():
@@ -122,6 +136,11 @@ def test_a_rhythm_is_held_even_with_other_alarms_between_its_occurrences():
     assert not recurs([100, 350, 550, 1100], 1600)  # two occurrences at 500, not three
     assert recurs([100, 120, 600, 1080, 1101], 1600)  # within 5%
     assert not recurs([100, 600, 1100], 1600 + 40)
+    # A third, given sizes (aligned with the last marks): held if no further out than 1.5x the larger.
+    assert recurs([600, 1100], 1600, [30.0, 32.0], 40.0)
+    assert not recurs([600, 1100], 1600, [30.0, 32.0], 400.0)
+    assert not recurs([600, 1100], 1600, [32.0], 40.0)  # the first one's size is not known
+    assert not recurs([600, 1100], 1600)  # without sizes, three are needed
 
 
 

@@ -65,6 +65,7 @@ class Blowup(RobustSpike):
         pairs: Sequence[float] = (0.0, 0.0, PAIR_PRIOR[0] / PAIR_PRIOR[1]),
         moves: Sequence[Sequence[float]] = (),
         unit: float = 0.0,
+        sizes: Sequence[float] = (),
     ):
         if min_factor <= 1 or floor <= 0:
             raise ValueError("need min_factor > 1 and floor > 0")
@@ -72,6 +73,7 @@ class Blowup(RobustSpike):
             window=window, warmup=warmup, threshold=threshold, direction="up", tail=tail, memory=memory,
             rebase=rebase, max_period=max_period, history=history, calib=calib, run=run, period=period, seen=seen,
             marks=marks, last_alarm=last_alarm, held=held, last_z=last_z, pairs=pairs, moves=moves, unit=unit,
+            sizes=sizes,
         )
         self.min_factor, self.floor = min_factor, floor
         self._min_log_scale = math.log(min_factor) / 8.0  # a min_factor jump is z = 8 at least
@@ -127,4 +129,5 @@ class Blowup(RobustSpike):
             "pairs": list(self.pairs),
             "moves": [list(m) for m in self.moves],
             "unit": self.unit,
+            "sizes": list(self.sizes),
         }

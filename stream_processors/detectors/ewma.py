@@ -138,7 +138,7 @@ class EwmaResidual(Detector):
             self.count, self.dev, self.run, self.last_z = 0, 0.0, 0, 0.0
         if score >= self.threshold:
             held = np.array([score])
-            self.marks, self.last_alarm, self.held = hold_recurrences(
+            self.marks, _, self.last_alarm, self.held = hold_recurrences(
                 held, self.seen, self.threshold, self.rebase, self.marks, self.last_alarm, self.held
             )
             score = float(held[0])

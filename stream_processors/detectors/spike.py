@@ -56,7 +56,8 @@ class RobustSpike(OnePoint, Detector):
     sawtooth or a daily cycle is expected, and a fault inside that rhythm still stands out. An
     alarm that comes at one spacing after three before it, whatever alarms lie between (a
     checkpoint every 500 steps, longer than any period looked for, or a second rhythm beside the
-    first) is held under the threshold from its fourth occurrence.
+    first) is held under the threshold from its fourth occurrence, or from its third if it is no
+    further out than the two before it (``recurrence.LIKE``).
 
     After ``rebase`` consecutive points more than 4 sigmas off on the same side, the level has
     changed: the history is moved to the new level (by the gap between the medians before and
@@ -124,6 +125,7 @@ class RobustSpike(OnePoint, Detector):
         pairs: Sequence[float] = (0.0, 0.0, PAIR_PRIOR[0] / PAIR_PRIOR[1]),
         moves: Sequence[Sequence[float]] = (),
         unit: float = 0.0,
+        sizes: Sequence[float] = (),
     ):
         if window < 3 or not 2 <= warmup <= window:
             raise ValueError("need window >= 3 and 2 <= warmup <= window")
@@ -145,6 +147,7 @@ class RobustSpike(OnePoint, Detector):
         # Where the last alarm episodes began and the last alarm was (positions in ``seen``), and
         # whether the present episode is a recurrence (``recurrence.hold_recurrences``).
         self.marks = [int(m) for m in marks][-MARKS:]
+        self.sizes = [float(v) for v in sizes][-MARKS:]  # each episode's first |z|, for the last marks
         self.last_alarm, self.held = int(last_alarm), bool(held)
         self.trending = bool(trending)  # without a period: judged against the window's line
         self.last_z = float(last_z)  # the last learned point's z (``recurrence.continuations``)
@@ -357,8 +360,9 @@ class RobustSpike(OnePoint, Detector):
                 ).any() and not (self.marks and self.last_alarm >= begun):
                     s[-1] = max(s[-1], 1.0 - self.calib.survival(SHIFT_Z) ** self.rebase)
                 rebased = upto - 1
-            self.marks, self.last_alarm, self.held = hold_recurrences(
-                s, self.seen + warm, self.threshold, self.rebase, self.marks, self.last_alarm, self.held
+            self.marks, self.sizes, self.last_alarm, self.held = hold_recurrences(
+                s, self.seen + warm, self.threshold, self.rebase, self.marks, self.last_alarm, self.held,
+                judged[: upto - warm], self.sizes,
             )
             last = z[upto - 1] if upto > warm else 0.0
             self.last_z = float(last) if rebased is None and math.isfinite(last) else 0.0
@@ -411,4 +415,5 @@ class RobustSpike(OnePoint, Detector):
             "pairs": list(self.pairs),
             "moves": [list(m) for m in self.moves],
             "unit": self.unit,
+            "sizes": list(self.sizes),
         }
