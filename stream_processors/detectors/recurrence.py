@@ -30,8 +30,8 @@ MARKS = 8
 REPEATS = 4
 #: How much further out than the larger of two earlier episodes a third at their spacing may be
 #: and still be held (``recurs``), and how close to that spacing it must begin: a checkpoint's or an
-#: evaluation's rhythm is exact to a step, and with 5% a fault 401 steps after one checkpoint
-#: alarm lined up with two others 1,301 and 2,651 steps before it.
+#: evaluation's rhythm is exact to a step, while within 5% a fault 1,301 steps after one checkpoint
+#: alarm and 2,651 after another (2 x 1,301 = 2,602) was held.
 LIKE, LIKE_WITHIN = 1.5, 0.01
 
 
@@ -42,7 +42,7 @@ def recurs(marks: list[int], pos: int, sizes: list[float] = (), size: float = ma
     with the last marks; one not known holds nothing) and this one's: two began ``d`` and ``2 d``
     before it (within ``LIKE_WITHIN``), and it is no further out than ``LIKE`` times the larger of them."""
     past = np.asarray(marks, dtype=np.float64)
-    sizes = list(sizes)[len(sizes) - len(marks) :] if len(sizes) > len(marks) else list(sizes)
+    sizes = list(sizes)[-len(marks) :] if marks else []
     known = np.r_[np.full(len(marks) - len(sizes), np.nan), sizes]
     for j, spacing in enumerate((pos - past).tolist()):
         if spacing <= 0:
