@@ -9,7 +9,7 @@ import numpy as np
 from rankwatch.stream_processors.detectors.base import Detector
 from rankwatch.stream_processors.detectors.calibration import THRESHOLD, TailModel, half_normal_sf, prior_counts
 from rankwatch.stream_processors.detectors.recurrence import MARKS, continuations, hold_recurrences
-from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, at_new_level, score_runs
+from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, score_runs
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
     SmallestStep,
@@ -22,16 +22,12 @@ from rankwatch.stream_processors.detectors.scoring import (
     tail_sigma,
     trailing_windows,
 )
-from rankwatch.stream_processors.detectors.seasonal import detect_period, local_line, phase_baseline, trend_helps
+from rankwatch.stream_processors.detectors.seasonal import local_line, phase_baseline
+from rankwatch.stream_processors.detectors.spike_model import PERIOD_EVERY, PRIOR_WEIGHT, SeriesModel
 from rankwatch.stream_processors.detectors.spike_point import OnePoint
 
-#: Pseudo-points of the half-normal prior a fresh tail model starts from.
-PRIOR_WEIGHT = 50.0
-#: Learned points between two looks for a period.
-PERIOD_EVERY = 64
 
-
-class RobustSpike(OnePoint, Detector):
+class RobustSpike(OnePoint, SeriesModel, Detector):
     """Spikes against a rolling median/MAD, scored by how rare such a deviation is on this series.
 
     A point's robust z is its distance from the median of the last ``window`` finite points in
@@ -259,47 +255,6 @@ class RobustSpike(OnePoint, Detector):
     def learn(self, values: np.ndarray) -> None:
         self.update(values)
 
-    def _look_for_period(self) -> None:
-        """Every ``PERIOD_EVERY`` learned points: a period, else (where allowed) whether a line fits."""
-        if self.seen % PERIOD_EVERY or not (self.max_period or self.follows_trend):
-            return
-        history = np.asarray(self.history)
-        period = detect_period(history, self.window, self.max_period) if self.max_period else 0
-        if period or not self.max_period:
-            self.moves = []
-        elif self.moves:
-            period, history = self._undo_moves(history)
-        trending = self.follows_trend and not period and trend_helps(history, self.window)
-        # The tail model carries over to the new model: starting it afresh from the half-normal
-        # prior made every routine burst the new model does not predict (a loader hiccup every 23
-        # steps beside an evaluation period of 25) a one-in-a-million point again for its next
-        # few occurrences. Leaving a line is the exception: its tail is mostly the line's own
-        # overshoot where the series turns (a daily cycle before its period is seen: one in a
-        # million at 11 sigmas), which the next model does not make, so it starts afresh.
-        if self.trending and not trending:
-            self.calib = TailModel(prior_counts(half_normal_sf, PRIOR_WEIGHT), memory=self.memory)
-        self.period, self.trending = period, trending
-
-    def _undo_moves(self, history: np.ndarray) -> tuple[int, np.ndarray]:
-        """The period of the series as it came, and the history to keep, when the moved ``history`` has none.
-
-        Level changes confirmed on a cycle the detector has not found yet are mostly the line's
-        overshoot where the cycle turns: a daily cycle of 144 points, judged against its window's
-        line, had its history moved by up to twice its amplitude, which hid the very period that
-        explains the turns. If the series as it came has a period, the moves are undone."""
-        first = self.seen - len(history)  # the position of ``history[0]``
-        self.moves = [m for m in self.moves if m[0] > first]
-        raw = history.copy()
-        for position, gap in self.moves:
-            raw[: position - first] -= gap
-        period = detect_period(raw, self.window, self.max_period)
-        if not period:
-            return 0, history
-        self.moves, self._residuals = [], None
-        self.history = raw.tolist()
-        self._smallest.forget()
-        return period, raw
-
     def update(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
         if len(values) == 1:
@@ -376,11 +331,7 @@ class RobustSpike(OnePoint, Detector):
                 # The level changed. The run's points come from the series: those before this call
                 # are in the history (a run that began in an earlier batch moves as one that began here).
                 upto = done + rebased + 1
-                end = start + upto - done
-                moved = at_new_level(series, end, abs(self.run), self.window, line=self.trending, period=self.period)
-                cut = end - abs(self.run)  # the run's first point: those before it moved
-                if cut > 0 and self.max_period and not self.period:  # see ``_undo_moves``
-                    self.moves.append([self.seen - start + cut, float(moved[cut - 1] - series[cut - 1])])
+                moved = self._at_new_level(series, start + upto - done, start)
                 self.history = moved[-self.span :].tolist()
                 self.seen += upto - done
                 self.run, done = 0, upto
