@@ -20,6 +20,7 @@ on seeds not used for tuning).
     python bench/corpus.py            # records the clean runs on first use (~2 min), then ~6 min
     python bench/corpus.py --only sweep   # the robustness sweep (fresh seeds, wide ranges), ~1 min
     python bench/corpus.py --only rules   # the default rules on the corpus, ~5 min
+    python bench/corpus.py --only sweep-rules   # the default rules on the sweep's series, ~6 min
 """
 
 from __future__ import annotations
@@ -102,19 +103,25 @@ def _wide(rng: np.random.Generator, _part) -> dict:
             "day": int(rng.choice([96, 144, 200, 288]))}
 
 
-def sweep_table(seeds: range = range(400, 424), name: str = "ensemble") -> dict[str, Tally]:
-    """A robustness check beside the parts: the generator's shapes on fresh seeds, each drawing its
-    periods and noise from ``_wide``, scored per shape. Nothing is chosen on it; it shows whether a
-    change that helps the tuning part holds for periods that part does not have."""
+def _swept(seeds: range):
+    """The sweep's series: the generator's shapes on ``seeds``, periods and noise drawn from ``_wide``."""
     sys.path.insert(0, str(HERE / "data"))
     import make_corpus
 
     make_corpus._params = _wide
-    per: dict[str, Tally] = {}
     for seed in seeds:
-        for series, x, labels in make_corpus.generated(seed, False):
-            d = build(name)
-            per.setdefault(series.split("_s")[0], Tally()).add(sweep(labels), d.decide(d.update(x)))
+        for name, x, labels in make_corpus.generated(seed, False):
+            yield Series("sweep", name, x, labels)
+
+
+def sweep_table(seeds: range = SWEEP_SEEDS, name: str = "ensemble") -> dict[str, Tally]:
+    """A robustness check beside the parts: the generator's shapes on fresh seeds, each drawing its
+    periods and noise from ``_wide``, scored per shape. Nothing is chosen on it alone; it shows
+    whether a change that helps the tuning part holds for periods that part does not have."""
+    per: dict[str, Tally] = {}
+    for s in _swept(seeds):
+        d = build(name)
+        per.setdefault(s.name.split("_s")[0], Tally()).add(sweep(s.labels), d.decide(d.update(s.values)))
     total = Tally()
     for shape, t in per.items():
         print(f"{shape:10s} NAB {t.nab():6.1f}  recall {t.detected}/{t.windows}  false-positive rows {t.fp_rows}")
@@ -140,25 +147,45 @@ def rules_table(splits: dict[str, list[Series]], rules=None) -> dict:
     for metric in RULED_AS:
         cells, shapes = [], {}
         for split, items in splits.items():
-            false = clean = found = windows = 0
+            total = [0, 0, 0, 0]
             for s in items:
-                sw = sweep(s.labels)
-                clean += int((sw.window == -1).sum())
-                windows += sw.n_windows
-                fired = {a.step for a in _replayed(s, metric, rules) if a.status == "firing"}
-                hit = {int(sw.window[step]) for step in fired}
-                wrong = sum(1 for step in fired if sw.window[step] == -1)
-                false += wrong
-                found += len({w for w in hit if w >= 0})
-                if split == "holdout" and wrong:
+                tally = _judged(s, metric, rules)
+                total = [a + b for a, b in zip(total, tally)]
+                if split == "holdout" and tally[0]:
                     shape = "real" if s.name.startswith("real") else s.name.split("_s")[0]
-                    shapes[shape] = shapes.get(shape, 0) + wrong
+                    shapes[shape] = shapes.get(shape, 0) + tally[0]
+            false, clean, found, windows = total
             results[(metric, split)] = {"false": false, "clean_rows": clean, "found": found, "windows": windows}
             cells.append(f"{false:6d} {clean:10d} {1e4 * false / max(clean, 1):8.1f} {found:>4d}/{windows:<3d}")
         print(f"{metric:14s} | " + " | ".join(cells), flush=True)
         print(f"{'':14s}   held-out false alerts by shape: "
               + (", ".join(f"{k} {v}" for k, v in sorted(shapes.items(), key=lambda kv: -kv[1])) or "none"))
     return results
+
+
+def sweep_rules_table(seeds: range = SWEEP_SEEDS, metric: str = "loss", rules=None) -> dict[str, list[int]]:
+    """The default rules on the sweep's series (``sweep_table``), each read as ``metric``, per shape:
+    false alerts per 10,000 clean rows and the labelled windows found, as ``rules_table`` counts them."""
+    rules = rules or default_rules()
+    per: dict[str, list[int]] = {}
+    for s in _swept(seeds):
+        tally = per.setdefault(s.name.split("_s")[0], [0, 0, 0, 0])
+        tally[:] = [a + b for a, b in zip(tally, _judged(s, metric, rules))]
+    per["all"] = [sum(t[i] for t in per.values()) for i in range(4)]
+    for shape, (false, clean, found, windows) in per.items():
+        print(f"{shape:10s} false {false:4d} / {clean:7d} clean rows ({1e4 * false / max(clean, 1):4.1f} per 10k), "
+              f"found {found}/{windows}", flush=True)
+    return per
+
+
+def _judged(s: Series, metric: str, rules) -> tuple[int, int, int, int]:
+    """The rules on ``s`` read as ``metric``: false alerts (firing outside every labelled window and
+    past NAB's probation), clean rows, labelled windows an alert starts in, and labelled windows."""
+    sw = sweep(s.labels)
+    fired = {a.step for a in _replayed(s, metric, rules) if a.status == "firing"}
+    false = sum(1 for step in fired if sw.window[step] == -1)
+    found = len({int(sw.window[step]) for step in fired if sw.window[step] >= 0})
+    return false, int((sw.window == -1).sum()), found, sw.n_windows
 
 
 def _replayed(s: Series, metric: str, rules) -> list:
@@ -201,7 +228,7 @@ def clean_runs(rules=None) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("nab", "rules", "runs", "sweep"), help="one table")
+    parser.add_argument("--only", choices=("nab", "rules", "runs", "sweep", "sweep-rules"), help="one table")
     parser.add_argument("--proposed", action="store_true",
                         help="also score the scenario bench's proposed rules (scenario_rules) on the clean runs")
     args = parser.parse_args(argv)
@@ -224,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "sweep":
         print(f"Robustness sweep: {len(SWEEP_SEEDS)} fresh seeds of each shape, periods and noise drawn wide:")
         sweep_table(SWEEP_SEEDS)
+    if args.only == "sweep-rules":
+        print(f"The default rules on the sweep's series ({len(SWEEP_SEEDS)} seeds of each shape), read as a loss:")
+        sweep_rules_table(SWEEP_SEEDS)
     if args.only in (None, "runs"):
         print("\nDefault rules on clean recorded training runs (every alert is false):")
         clean_runs()
