@@ -20,7 +20,7 @@ on seeds not used for tuning).
     python bench/corpus.py            # records the clean runs on first use (~2 min), then ~6 min
     python bench/corpus.py --only sweep   # the robustness sweep (fresh seeds, wide ranges), ~1 min
     python bench/corpus.py --only rules   # the default rules on the corpus, ~5 min
-    python bench/corpus.py --only sweep-rules   # the default rules on the sweep's series, ~6 min
+    python bench/corpus.py --only sweep-rules   # the default rules on the sweep's series, ~3 min
 """
 
 from __future__ import annotations
