@@ -143,7 +143,6 @@ def test_a_rhythm_is_held_even_with_other_alarms_between_its_occurrences():
     assert not recurs([600, 1100], 1600)  # without sizes, three are needed
 
 
-
 def test_a_routine_burst_learned_before_a_period_is_found_stays_learned_after():
     # Throughput with an evaluation pause every 25 steps and a loader hiccup every 23 (clean1r_s1 of
     # the corpus's clean runs): the period 25 comes and goes, and each time the tail model started

@@ -117,4 +117,6 @@ class OnePoint:
     def _resolution_floor_one(self, history: list[float]) -> float:
         """``_resolution_floor`` of the point after ``history``: half its smallest non-zero step, or ``unit``."""
         found = self._smallest.resolution(history)
-        return 0.5 * (min(found, self.unit) if found and self.unit else found or self.unit)
+        if self.unit:  # as ``_resolution_floor``: the smaller of the two, or the unit where none is in the history
+            found = min(found, self.unit) if found else self.unit
+        return 0.5 * found
