@@ -12,7 +12,10 @@ episode that recurs at a fixed spacing. Shared by ``spike`` (and ``blowup``) and
   first three occurrences are reported. Where the episodes' sizes are known (``spike``), one that
   begins ``d`` and ``2 d`` after two earlier ones and is no further out than ``LIKE`` times the
   larger of them is held already: the third of a checkpoint's pauses, not a stall 60 times a step
-  at the spacing of two evaluation bursts.
+  at the spacing of two evaluation bursts. The series' start counts as an episode of unknown size,
+  since a trainer saves and evaluates every N steps counted from step 0: a second episode that
+  begins twice as far from the start as the first, and is no further out than ``LIKE`` times it,
+  is held too.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def recurs(marks: list[int], pos: int, sizes: list[float] = (), size: float = ma
     began ``d``, ``2 d`` and ``3 d`` before it (each within 5% of ``d``), whatever other episodes
     lie between them. Or the third, given the episodes' ``sizes`` (their first alarm's |z|, aligned
     with the last marks; one not known holds nothing) and this one's: two began ``d`` and ``2 d``
-    before it (within ``LIKE_WITHIN``), and it is no further out than ``LIKE`` times the larger of them."""
+    before it (within ``LIKE_WITHIN``), position 0 counting as one of unknown size, and it is no
+    further out than ``LIKE`` times the larger of them."""
     past = np.asarray(marks, dtype=np.float64)
     sizes = list(sizes)[-len(marks) :] if marks else []
     known = np.r_[np.full(len(marks) - len(sizes), np.nan), sizes]
@@ -51,8 +55,11 @@ def recurs(marks: list[int], pos: int, sizes: list[float] = (), size: float = ma
         near = [np.abs(pos - k * spacing - past) <= tol for k in range(2, REPEATS)]
         if all(n.any() for n in near):
             return True
-        like = np.abs(pos - 2 * spacing - past) <= max(1.0, LIKE_WITHIN * spacing)
+        within = max(1.0, LIKE_WITHIN * spacing)
+        like = np.abs(pos - 2 * spacing - past) <= within
         if like.any() and size <= LIKE * float(np.max(np.r_[known[j], known[like]])):
+            return True
+        if abs(pos - 2 * spacing) <= within and size <= LIKE * known[j]:
             return True
     return False
 
