@@ -226,6 +226,20 @@ def test_a_cycle_the_line_mistook_for_level_changes_is_found_and_its_turns_are_n
     assert d.period == 144 and d.moves == []
 
 
+def test_a_period_found_on_a_moved_history_is_taken_from_the_series_as_it_came():
+    # The same cycle, noisier: the moved history did show a period, but a wrong one (140, then 139,
+    # for 144) and the moves were kept. The phase drifted 5 points a cycle, its turns were alerts,
+    # the period was lost again and found only at step 1,344 (issue 18: the sweep's daily series of
+    # 144 points, 9 false alerts in 100). Where the series as it came has a period, it is taken.
+    rng = np.random.default_rng(5)
+    t = np.arange(2000)
+    x = 50 + 20 * np.sin(2 * np.pi * t / 144) + 5 * np.sin(4 * np.pi * t / 144) + rng.normal(0, 1.2, len(t))
+    d = build("spike", direction="up")
+    flagged = np.flatnonzero(d.decide(d.update(x)))
+    assert [i for i in flagged if i >= 600] == []
+    assert d.period == 144
+
+
 def test_a_dip_on_a_cycle_is_reported_once_and_leaves_the_cycle_whole():
     # A 20-point dip on a daily cycle whose period is known: the level change in and out of it was
     # measured by the medians of the points, which say where in the cycle they lie, so the history

@@ -4,8 +4,8 @@ Every ``PERIOD_EVERY`` learned points the model is chosen again: the series' pha
 period (``seasonal.detect_period``), else the line through the window where that predicts clearly
 better (``seasonal.trend_helps``), else the rolling median. When a run of far points confirms a level
 change, the history is moved to the new level (``runs.at_new_level``). Moves made while no period is
-known are kept, and undone when the series as it came shows a period that the moved history hides:
-they were the turns of a cycle judged against its line.
+known are kept, and undone when the series as it came shows a period: they were the turns of a
+cycle judged against its line.
 
 A mixin of ``RobustSpike``, as ``spike_point.OnePoint`` is: it reads and changes that class's
 parameters and learned state.
@@ -33,11 +33,13 @@ class SeriesModel:
         if self.seen % PERIOD_EVERY or not (self.max_period or self.follows_trend):
             return
         history = np.asarray(self.history)
-        period = detect_period(history, self.window, self.max_period) if self.max_period else 0
+        period = 0
+        if self.moves:  # kept only while a period is looked for and none is known
+            period, history = self._undo_moves(history)
+        if self.max_period and not period:
+            period = detect_period(history, self.window, self.max_period)
         if period or not self.max_period:
             self.moves = []
-        elif self.moves:
-            period, history = self._undo_moves(history)
         trending = self.follows_trend and not period and trend_helps(history, self.window)
         # The tail model carries over to the new model: starting it afresh from the half-normal
         # prior made every routine burst the new model does not predict (a loader hiccup every 23
@@ -59,12 +61,13 @@ class SeriesModel:
         return moved
 
     def _undo_moves(self, history: np.ndarray) -> tuple[int, np.ndarray]:
-        """The period of the series as it came, and the history to keep, when the moved ``history`` has none.
+        """The period of the series as it came (0: none), and the history to keep.
 
         Level changes confirmed on a cycle the detector has not found yet are mostly the line's
         overshoot where the cycle turns: a daily cycle of 144 points, judged against its window's
         line, had its history moved by up to twice its amplitude, which hid the very period that
-        explains the turns. If the series as it came has a period, the moves are undone."""
+        explains the turns; on a noisier cycle it showed a wrong one (140 for 144). If the series as
+        it came has a period, the moves are undone."""
         first = self.seen - len(history)  # the position of ``history[0]``
         self.moves = [m for m in self.moves if m[0] > first]
         raw = history.copy()
