@@ -13,6 +13,7 @@ from scipy.signal import lfilter
 
 from rankwatch.stream_processors.detectors import build
 from rankwatch.stream_processors.detectors.calibration import TailModel, half_normal_sf, prior_counts
+from rankwatch.stream_processors.detectors.scoring import written_unit
 from rankwatch.stream_processors.rules import default_rules
 
 N, SKIP = 6000, 500
@@ -77,27 +78,41 @@ def test_a_quantised_gauge_flickering_by_one_unit_is_quiet_and_a_jump_of_several
     rng = np.random.default_rng(3)
     x = np.round(75.0 + np.cumsum(rng.normal(0, 0.002, 3000)), 1)
     assert 5 < np.count_nonzero(np.diff(x)) < 200  # it does flicker, by single units
-    first = int(np.flatnonzero(np.diff(x))[0]) + 1
     d = build(name)
-    # The first step of a series that held still is news (its resolution is not known yet); the
-    # flickers after it are not.
-    assert np.flatnonzero(d.decide(d.update(x))).tolist() == [first]
+    # Nor is the first step of a series that held still: before any step, the unit its values are
+    # written to is its resolution (the corpus's gauges alarmed at their first move, by design then).
+    assert np.flatnonzero(d.decide(d.update(x))).tolist() == []
     # Fifteen units at once (the corpus's gauge spikes are 12-30) is a real change, reported at once.
     assert d.decide(d.update(np.array([x[-1] + 1.5])))[0]
+
+
+@pytest.mark.parametrize("name", ["spike", "ewma"])
+def test_a_first_step_is_judged_in_the_unit_the_reading_is_written_to(name):
+    # A reading that never moved has no step to learn its unit from: 75.0 -> 75.1 is one unit of a
+    # reading written to 0.1 (six of them, 75.6, are news, as a flickering gauge's would be), 75.0 ->
+    # 76.0 ten of them at least, and 1.0 -> 2.0 doubles a reading of too few digits for its last one
+    # to be a resolution.
+    for level, after, news in ((75.0, 75.1, False), (75.0, 76.0, True), (1.0, 2.0, True), (0.0, 0.1, True),
+                               (75.0, 75.6, True), (2000.0, 2001.0, False)):
+        d = build(name, direction="up")
+        flagged = d.decide(d.update(np.r_[np.full(300, level), after]))
+        assert flagged[-1] == news and not flagged[:-1].any(), (level, after)
+    # Float arithmetic's last bits are no decimals.
+    assert written_unit(75.79999999999995, 75.9) == pytest.approx(0.1)
+    assert written_unit(0.4123456789123, 0.4124) == 0.0
 
 
 def test_a_gauge_that_held_still_longer_than_the_history_keeps_its_unit():
     # A reading to 0.1 that moved once, then held still for 1,400 points (longer than the 964 the
     # history keeps): its next one-unit step was a thousand-sigma first wiggle (issue 18: the varied
-    # corpus's quantised gauges). The unit is learned for good; a first step ever, and a jump of
-    # ten units, are still news.
+    # corpus's quantised gauges). The unit is learned for good; a jump of ten units is still news.
     x = np.full(2000, 75.0)
     x[100:120] = 75.1
     x[1500:] = 75.1
     x[1800] = 76.1
     d = build("spike", direction="up")
     flagged = [i for i, v in enumerate(x) if d.decide(d.update(np.array([v])))[0]]
-    assert flagged == [100, 1800]
+    assert flagged == [1800]
     assert d.unit == pytest.approx(0.1)
 
 

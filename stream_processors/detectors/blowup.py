@@ -96,7 +96,7 @@ class Blowup(RobustSpike):
     def _resolution_floor(self, series: np.ndarray, first: int) -> float:
         return 0.0  # the log-scale floor above is far coarser than any reading's resolution
 
-    def _resolution_floor_one(self, history: list[float]) -> float:
+    def _resolution_floor_one(self, history: list[float], x: float) -> float:
         return 0.0
 
     def _adjust(self, z: np.ndarray, points: np.ndarray, center: np.ndarray) -> np.ndarray:

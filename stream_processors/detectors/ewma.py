@@ -16,6 +16,7 @@ from rankwatch.stream_processors.detectors.scoring import (
     directed_one,
     standardise,
     standardise_one,
+    written_unit,
 )
 
 # For a normal residual, E|r| = sigma * sqrt(2/pi); this turns a mean absolute deviation into a sigma.
@@ -99,14 +100,18 @@ class EwmaResidual(Detector):
         counts, pending = calib if calib else (prior_counts(half_normal_sf, 50.0), [])
         self.calib = TailModel(counts, pending, memory=memory)
 
-    def _sigma(self) -> float:
-        return max(self.dev * _MEAN_ABS_TO_SIGMA, self.min_scale, self.min_scale * abs(self.mean), 0.5 * self.step)
+    def _sigma(self, x: float | None = None) -> float:
+        step = self.step
+        if not step and x is not None and self.last is not None and x != self.last:
+            step = written_unit(self.last, x)  # a reading that never moved: the unit it is written to
+        return max(self.dev * _MEAN_ABS_TO_SIGMA, self.min_scale, self.min_scale * abs(self.mean), 0.5 * step)
 
     def score(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
         if self.count < self.warmup:
             return np.zeros(len(values))
-        z = directed(standardise(values, self.mean, self._sigma()), self.direction)
+        sigma = self._sigma() if self.step else np.array([self._sigma(x) for x in values.tolist()])
+        z = directed(standardise(values, self.mean, sigma), self.direction)
         scores = np.array([self.calib.score(m) for m in z.tolist()])
         scores[~np.isfinite(values)] = 0.0
         return scores
@@ -118,7 +123,7 @@ class EwmaResidual(Detector):
         moved = abs(x - self.last) if self.last is not None else 0.0
         z = 0.0
         if self.count >= self.warmup:
-            sigma = self._sigma()
+            sigma = self._sigma(x)
             z = standardise_one(x, self.mean, sigma)
             # A far point that continues a far point is held (``recurrence.continuations``).
             held, _ = continuations(np.array([z]), self.last_z, SHIFT_Z)

@@ -17,6 +17,9 @@ from scipy.special import ndtr, ndtri
 MAD_TO_SIGMA = 0.6744897501960817
 
 DIRECTIONS = ("both", "up", "down")
+#: Units in the last decimal place a held level must be (three significant digits) for that unit to
+#: be taken as the reading's resolution (``written_unit``).
+WRITTEN_DIGITS = 100
 
 
 def check_direction(direction: str) -> None:
@@ -183,6 +186,28 @@ def resolution(series: np.ndarray, first: int, span: int) -> np.ndarray:
     rows = np.lib.stride_tricks.sliding_window_view(padded, width)[first : len(series)]
     low = rows.min(axis=1) if len(rows) else np.zeros(0)
     return np.where(np.isfinite(low), low, 0.0)
+
+
+def written_unit(a: float, b: float) -> float:
+    """One unit in the last decimal place that ``a`` (a level held) and ``b`` are written to, at most
+    1; 0 where ``a`` is under ``WRITTEN_DIGITS`` such units, or either has more than 9 decimals or is
+    not finite.
+
+    A gauge that never moved has no step to learn its resolution from, and its first one-unit step
+    (a temperature from 75.0 to 75.1) was an infinitely rare spike; the digits the reading is written
+    with tell its unit. Float arithmetic's last bits (75.79999999999995) do not count as decimals.
+    A reading of two significant digits is no gauge's resolution: 1.0 -> 2.0 doubles it.
+    """
+    places = []
+    for v in (a, b):
+        if not math.isfinite(v):
+            return 0.0
+        d = next((d for d in range(10) if abs(round(v, d) - v) <= 1e-6 * 10.0**-d + 1e-15 * abs(v)), None)
+        if d is None:
+            return 0.0
+        places.append(d)
+    unit = 10.0 ** -max(places)
+    return unit if abs(a) >= WRITTEN_DIGITS * unit else 0.0
 
 
 class SmallestStep:

@@ -21,6 +21,7 @@ from rankwatch.stream_processors.detectors.scoring import (
     standardise,
     tail_sigma,
     trailing_windows,
+    written_unit,
 )
 from rankwatch.stream_processors.detectors.seasonal import local_line, phase_baseline
 from rankwatch.stream_processors.detectors.spike_model import PERIOD_EVERY, PRIOR_WEIGHT, SeriesModel
@@ -225,10 +226,14 @@ class RobustSpike(OnePoint, SeriesModel, Detector):
         """For each point from ``first``: half the reading's resolution (``scoring.resolution``) over
         the ``span`` points before it (what the history holds when points come one at a time), or
         over every point learned, so a one-unit step of a quantised gauge is no spike, even after
-        the gauge held still for longer than the history (a first step in a thousand is)."""
+        the gauge held still for longer than the history (a first step in a thousand is). Before
+        any step, the unit its values are written to (``scoring.written_unit``)."""
         found = resolution(series, first, self.span)
         if self.unit:
             found = np.where(found > 0, np.minimum(found, self.unit), self.unit)
+        else:  # a reading that never moved: its first step, in the unit its values are written to
+            for i in np.flatnonzero((found == 0) & (series[first:] != series[first - 1 : -1])).tolist():
+                found[i] = written_unit(series[first + i - 1], series[first + i])
         return 0.5 * found
 
     def _learn_unit(self, points: np.ndarray) -> None:

@@ -22,6 +22,7 @@ from rankwatch.stream_processors.detectors.scoring import (
     median_sorted,
     standardise_one,
     tail_sigma_sorted,
+    written_unit,
 )
 from rankwatch.stream_processors.detectors.seasonal import local_line_one, phase_one
 
@@ -82,7 +83,7 @@ class OnePoint:
                 scale = max(mad_sigma(ordered), self._floor_one(center))
             else:
                 center, scale = self._center_scale_one(rows)
-        scale = max(scale, self._resolution_floor_one(history))
+        scale = max(scale, self._resolution_floor_one(history, x))
         z = self._adjust_one(standardise_one(x, center, scale), x, center)
         if not (teaching or abs(z) < SHIFT_Z):
             return None
@@ -114,9 +115,11 @@ class OnePoint:
         self._look_for_period()
         return score
 
-    def _resolution_floor_one(self, history: list[float]) -> float:
-        """``_resolution_floor`` of the point after ``history``: half its smallest non-zero step, or ``unit``."""
+    def _resolution_floor_one(self, history: list[float], x: float) -> float:
+        """``_resolution_floor`` of ``x`` after ``history``: half its smallest non-zero step, or ``unit``."""
         found = self._smallest.resolution(history)
         if self.unit:  # as ``_resolution_floor``: the smaller of the two, or the unit where none is in the history
             found = min(found, self.unit) if found else self.unit
+        elif not found and x != history[-1]:
+            found = written_unit(history[-1], x)
         return 0.5 * found
