@@ -62,8 +62,8 @@ class RobustSpike(OnePoint, SeriesModel, Detector):
     theirs: a sawtooth's reset), so a persistent shift is reported once, at its start, instead of
     firing until the median catches up, and the recurring shape learned before it is kept. Level
     changes confirmed while no period was known are undone once the series as it came shows a
-    period: they were a cycle's turns. The point that confirms
-    the change scores ``1 - P(|z| >= 4) ** rebase``: a shift of 4 to 8 sigmas that no single
+    period: they were a cycle's turns. The point that confirms the change scores
+    ``1 - P(|z| >= 4) ** rebase``: a shift of 4 to 8 sigmas that no single
     point makes rare enough is reported there, ``rebase - 1`` points after it began. ``min_scale`` floors the
     unit (absolutely and relative to the median), so a perfectly flat series scores 0 and its
     first real wiggle is reported once; so does half the reading's resolution (the smallest step
