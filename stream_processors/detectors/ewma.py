@@ -92,7 +92,7 @@ class EwmaResidual(Detector):
         self.rebase, self.run = rebase, int(run)
         self.count, self.mean, self.dev = int(count), float(mean), float(dev)
         # The last finite point and the smallest non-zero step seen: the reading's resolution
-        # (``scoring.resolution``), so a quantised gauge flickering by one unit is not anomalous.
+        # (``scoring.smallest_step``), so a quantised gauge flickering by one unit is not anomalous.
         self.last, self.step = (None if last is None else float(last)), float(step)
         # Points learned, the last one's z, and the alarm episodes (``recurrence``).
         self.seen, self.last_z = int(seen), float(last_z)

@@ -170,22 +170,16 @@ def tail_sigma_sorted(ordered: list[float], median: float, quantile: float, dire
     return max(upper, lower)
 
 
-def resolution(series: np.ndarray, first: int, span: int) -> np.ndarray:
-    """For each index ``i >= first``: the reading's resolution over ``series[i - span : i]``, the
-    smallest non-zero step between consecutive values there (0: none).
+def smallest_step(values) -> float:
+    """The smallest non-zero step between consecutive ``values`` (0: none): a reading's resolution.
 
     A quantised gauge (a temperature to 0.1, a counter) that mostly holds still has a MAD of 0, so
     every step of one unit looked like a thousand-sigma spike; a unit is as fine as such a reading
     can tell two values apart. On a continuous series the smallest step is tiny and changes nothing.
     """
-    steps = np.abs(np.diff(series))
-    steps[~(steps > 0)] = np.inf  # NaN steps too
-    # Step k joins points k and k + 1; point i sees steps i - span .. i - 2 (inf-padded in front).
-    padded = np.r_[np.full(span, np.inf), steps[: len(series) - 2]] if len(series) >= 2 else np.full(span, np.inf)
-    width = max(span - 1, 1)
-    rows = np.lib.stride_tricks.sliding_window_view(padded, width)[first : len(series)]
-    low = rows.min(axis=1) if len(rows) else np.zeros(0)
-    return np.where(np.isfinite(low), low, 0.0)
+    steps = np.abs(np.diff(np.asarray(values, dtype=np.float64)))
+    steps = steps[steps > 0]
+    return float(steps.min()) if len(steps) else 0.0
 
 
 def written_unit(a: float, b: float) -> float:
@@ -208,48 +202,6 @@ def written_unit(a: float, b: float) -> float:
         places.append(d)
     unit = 10.0 ** -max(places)
     return unit if abs(a) >= WRITTEN_DIGITS * unit else 0.0
-
-
-class SmallestStep:
-    """``resolution`` of the point after a history that grows one point at a time, kept between
-    points with its age: looking over the whole history for each point cost more than the rest of
-    a one-point update. ``forget`` it when the history changes any other way.
-
-    >>> smallest, history = SmallestStep(), [1.0, 1.5, 1.75]
-    >>> smallest.resolution(history)
-    0.25
-    >>> history.append(1.875); smallest.advance(history); smallest.resolution(history)
-    0.125
-    """
-
-    def __init__(self) -> None:
-        self._found: tuple[float, int] | None = None  # (the step, how many steps came after it)
-
-    def forget(self) -> None:
-        self._found = None
-
-    def resolution(self, history: list[float]) -> float:
-        """The smallest non-zero step between consecutive points of ``history`` (0: none)."""
-        if self._found is None:
-            steps = np.abs(np.diff(np.asarray(history)))
-            positive = steps[steps > 0]
-            if len(positive):
-                smallest = float(positive.min())
-                self._found = (smallest, int(len(steps) - 1 - np.flatnonzero(steps == smallest)[-1]))
-            else:
-                self._found = (math.inf, 0)
-        smallest = self._found[0]
-        return smallest if math.isfinite(smallest) else 0.0
-
-    def advance(self, history: list[float]) -> None:
-        """Carry the smallest step over the step ``history`` just took (its last point is new)."""
-        if self._found is None or len(history) < 2:
-            self._found = None
-            return
-        step, (smallest, age) = abs(history[-1] - history[-2]), self._found
-        smallest, age = (step, 0) if 0 < step <= smallest else (smallest, age + 1)
-        # The history holds len - 1 steps; the smallest has left it once it is older than that.
-        self._found = (smallest, age) if age < len(history) - 1 else None
 
 
 def trailing_windows(history: np.ndarray, window: int, first: int) -> list[np.ndarray]:

@@ -12,12 +12,11 @@ from rankwatch.stream_processors.detectors.recurrence import MARKS, continuation
 from rankwatch.stream_processors.detectors.runs import PAIR_PRIOR, SHIFT_Z, advance_shift, score_runs
 from rankwatch.stream_processors.detectors.scoring import (
     MAD_TO_SIGMA,
-    SmallestStep,
     check_direction,
     directed,
     directed_one,
     median_rows,
-    resolution,
+    smallest_step,
     standardise,
     tail_sigma,
     trailing_windows,
@@ -156,9 +155,9 @@ class RobustSpike(OnePoint, SeriesModel, Detector):
         # points before it), so that ``_undo_moves`` can see the series as it came.
         self.moves = [[int(p), float(d)] for p, d in moves]
         # The smallest non-zero step between two learned points (0: none yet): a quantised reading
-        # keeps its unit when its last step has left the history (``_resolution_floor``).
-        self.unit = float(unit)
-        self._smallest = SmallestStep()  # for ``_resolution_floor_one``; not state
+        # keeps its unit when its last step has left the history (``_resolution_floor``). A state
+        # written before it was kept has its history's.
+        self.unit = float(unit) or smallest_step(self.history)
         # (seen, period, residuals): against the phase, the residuals of the window before the point
         # after ``seen`` learned points, for the one-point path to carry on; not state
         self._residuals: tuple[int, int, list[float]] | None = None
@@ -223,25 +222,25 @@ class RobustSpike(OnePoint, SeriesModel, Detector):
         return self._adjust(standardise(points, center, scale), points, center)
 
     def _resolution_floor(self, series: np.ndarray, first: int) -> np.ndarray:
-        """For each point from ``first``: half the reading's resolution (``scoring.resolution``) over
-        the ``span`` points before it (what the history holds when points come one at a time), or
-        over every point learned, so a one-unit step of a quantised gauge is no spike, even after
-        the gauge held still for longer than the history (a first step in a thousand is). Before
-        any step, the unit its values are written to (``scoring.written_unit``)."""
-        found = resolution(series, first, self.span)
-        if self.unit:
-            found = np.where(found > 0, np.minimum(found, self.unit), self.unit)
-        else:  # a reading that never moved: its first step, in the unit its values are written to
-            for i in np.flatnonzero((found == 0) & (series[first:] != series[first - 1 : -1])).tolist():
-                found[i] = written_unit(series[first + i - 1], series[first + i])
+        """For each point from ``first`` of ``series`` (the history, then points not learned yet): half
+        the reading's resolution (``scoring.smallest_step``), the smallest step between two points
+        learned (``unit``) or between the points before it, so a one-unit step of a quantised gauge
+        is no spike, even after the gauge held still for longer than the history (a first step in a
+        thousand is). Before any step, the unit its values are written to (``scoring.written_unit``)."""
+        base = max(len(self.history) - 1, 0)  # the steps up to the history's last point are in ``unit``
+        steps = np.abs(np.diff(series[base:]))  # steps[k]: into the point at base + k + 1
+        steps[~(steps > 0)] = np.inf
+        low = np.minimum.accumulate(np.r_[self.unit or np.inf, steps])[first - base - 1 : len(steps)]
+        found = np.where(np.isfinite(low), low, 0.0)
+        # A reading that never moved: its first step, in the unit its values are written to.
+        for i in np.flatnonzero((found == 0) & np.isfinite(steps[first - base - 1 :])).tolist():
+            found[i] = written_unit(series[first + i - 1], series[first + i])
         return 0.5 * found
 
     def _learn_unit(self, points: np.ndarray) -> None:
         """Carry ``unit`` over the steps between consecutive learned ``points``."""
-        steps = np.abs(np.diff(points))
-        steps = steps[steps > 0]
-        if len(steps):
-            smallest = float(steps.min())
+        smallest = smallest_step(points)
+        if smallest:
             self.unit = min(self.unit, smallest) if self.unit else smallest
 
     def score(self, values: np.ndarray) -> np.ndarray:
@@ -266,7 +265,6 @@ class RobustSpike(OnePoint, SeriesModel, Detector):
             score = self._update_one(float(values[0]))
             if score is not None:
                 return np.array([score])
-        self._smallest.forget()  # the history changes below (a level change moves all of it)
         # Within a stretch (no level change, no period check) every point's z is known up front,
         # since the history grows by the finite points whatever their scores: one numpy pass per
         # stretch for the z, one for the tail model (``TailModel.update_many``), and the shift

@@ -78,5 +78,4 @@ class SeriesModel:
             return 0, history
         self.moves, self._residuals = [], None
         self.history = raw.tolist()
-        self._smallest.forget()
         return period, raw

@@ -59,7 +59,6 @@ class OnePoint:
         # Warming up, a point is learned, not judged; from ``_teach_from`` on its z teaches the tail model.
         teaching = len(history) < self.warmup
         if teaching and len(history) < self._teach_from:
-            self._smallest.forget()  # found afresh when a z first needs it
             return self._learn_one(self._transform_one(value), 0.0, 0.0)
         x = self._transform_one(value)
         p, w = self.period, self.window
@@ -110,16 +109,13 @@ class OnePoint:
                 self.unit = step
         self.history.append(x)
         del self.history[: -self.span]
-        self._smallest.advance(self.history)
         self.seen += 1
         self._look_for_period()
         return score
 
     def _resolution_floor_one(self, history: list[float], x: float) -> float:
-        """``_resolution_floor`` of ``x`` after ``history``: half its smallest non-zero step, or ``unit``."""
-        found = self._smallest.resolution(history)
-        if self.unit:  # as ``_resolution_floor``: the smaller of the two, or the unit where none is in the history
-            found = min(found, self.unit) if found else self.unit
-        elif not found and x != history[-1]:
+        """``_resolution_floor`` of ``x`` after ``history``, every point of which is learned: half ``unit``."""
+        found = self.unit
+        if not found and x != history[-1]:
             found = written_unit(history[-1], x)
         return 0.5 * found
