@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankwatch.contract import (
-    RUN_EVENTS, Alert, ProgressBatch, RankProgress, RankSignal, Rollup, TelemetryBatch, decode_run_event,
+    RUN_EVENTS, Alert, ProgressBatch, RankProgress, RankSignal, Rollup, SignalBatch, TelemetryBatch,
+    decode_run_event,
 )
 from rankwatch.errors import SchemaError
 from rankwatch.stream_processors.batching import process_batch
@@ -59,8 +60,8 @@ class Pipeline:
             return
         out = self.processor.process(state, batch, now)
         self.rollups += [Rollup.from_bytes(r.to_bytes()) for r in out.rollups]
-        for alert in out.alerts:
-            self._signal(RankSignal(alert=alert, world_size=batch.world_size), now)
+        # A message's signals are applied together, as the worker's ``SignalBatch``.
+        self._signals([RankSignal(alert=alert, world_size=batch.world_size) for alert in out.alerts], now)
         if out.last_step is not None or batch.final:
             progress = RankProgress(
                 run=batch.run, rank=batch.rank, world_size=batch.world_size,
@@ -85,6 +86,13 @@ class Pipeline:
     def _signal(self, signal: RankSignal, now: float) -> None:
         signal = RankSignal.from_bytes(signal.to_bytes())
         self._emit(self.grouper.add(self.groups, signal, now), now)
+
+    def _signals(self, signals: list[RankSignal], now: float) -> None:
+        if len(signals) == 1:
+            self._signal(signals[0], now)
+        elif signals:
+            batch = SignalBatch.from_bytes(SignalBatch(run=signals[0].alert.run, items=tuple(signals)).to_bytes())
+            self._emit(self.grouper.add_all(self.groups, list(batch.items), now), now)
 
     def _progress(self, progress: RankProgress, now: float) -> None:
         self._emit(self.grouper.progress(self.groups, progress.rank, progress.last_step, progress.world_size, now), now)
@@ -131,6 +139,8 @@ class BatchedPipeline(Pipeline):
             event = decode_run_event(value)
             if isinstance(event, RankSignal):
                 self._signal(event, now)
+            elif isinstance(event, SignalBatch):
+                self._signals(list(event.items), now)
             else:
                 for item in event.items if isinstance(event, ProgressBatch) else (event,):
                     self._progress(item, now)

@@ -8,7 +8,8 @@ cluster scale (issue 16): Faust's per-event machinery, one changelog write per m
   the same final state; the dedup cursor inside it makes a replay after recovery change nothing);
 - the progress of every rank of a run goes out as one ``ProgressBatch``, in the order the
   messages were applied. A rank signal flushes the run's pending progress first, so stage 2 sees
-  signals and progress in exactly the order message-by-message processing would send them;
+  signals and progress in exactly the order message-by-message processing would send them. A
+  message's signals go as one ``SignalBatch``, which stage 2 applies together;
 - a message whose processing fails is reported by its index, for the caller to dead-letter; its
   output is dropped and the rest of the batch goes on;
 - processed by ``process_in_parts``, the batch yields every few messages, so that a worker can let
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankwatch.contract import (
-    MAX_MESSAGE_BYTES, RUN_EVENTS, SCHEMA_VERSION, ProgressBatch, RankProgress, RankSignal, TelemetryBatch,
+    MAX_MESSAGE_BYTES, RUN_EVENTS, SCHEMA_VERSION, MessageTooLarge, ProgressBatch, RankProgress, RankSignal,
+    SignalBatch, TelemetryBatch,
 )
 from rankwatch.stream_processors.processor import RankState, RankStateError, TelemetryProcessor, fit_due_models
 from rankwatch.stream_processors.topics import encoded
@@ -99,7 +101,8 @@ def process_in_parts(
             if processor.is_replay(state, batch):
                 continue
             result = processor.process(state, batch, now)
-            signals = encoded(*(RankSignal(alert=a, world_size=batch.world_size) for a in result.alerts))
+            signals = _signal_messages(batch.run, [RankSignal(alert=a, world_size=batch.world_size)
+                                                   for a in result.alerts])
             rollups = encoded(*result.rollups)
             item = None
             # A late message says nothing of the rank's progress: an earlier incarnation's ``final``
@@ -130,6 +133,18 @@ def process_in_parts(
         flush(run)
     fit_due_models(learned)  # once per batch: 100 models fitted together cost what two alone do
     yield out
+
+
+def _signal_messages(run: str, signals: list[RankSignal]) -> list[Message]:
+    """A message's signals as one ``SignalBatch`` (stage 2 applies them together), in parts if
+    that is too large to send (thousands of metrics NaN at once); one alone as itself."""
+    if len(signals) < 2:
+        return encoded(*signals)
+    try:
+        return encoded(SignalBatch(run=run, items=tuple(signals)))
+    except MessageTooLarge:
+        half = len(signals) // 2
+        return _signal_messages(run, signals[:half]) + _signal_messages(run, signals[half:])
 
 
 def _may_be_too_large(item: RankProgress) -> bool:

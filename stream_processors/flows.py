@@ -9,7 +9,9 @@ import time
 import faust
 
 from rankwatch import contract
-from rankwatch.contract import ProgressBatch, RankSignal, TelemetryBatch, UrgentTelemetry, decode_run_event
+from rankwatch.contract import (
+    ProgressBatch, RankSignal, SignalBatch, TelemetryBatch, UrgentTelemetry, decode_run_event,
+)
 from rankwatch.settings import Settings
 from rankwatch.stream_processors.alert_sender import AlertSender, AlertSenderClosed, Paging
 from rankwatch.stream_processors.batching import process_in_parts
@@ -279,8 +281,11 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             try:
                 state, now = run_groups(item.key), time.time()
                 pager.partitions[item.key] = event.message.partition  # the lane's, co-partitioned
+                signal = isinstance(item, (RankSignal, SignalBatch))
                 if isinstance(item, RankSignal):
                     out = paging.decide(grouper.add, state, item, now)
+                elif isinstance(item, SignalBatch):
+                    out = paging.decide(grouper.add_all, state, list(item.items), now)
                 else:
                     watch = load_watch(watches.get(item.key), item.run, event.message.partition)
                     # Cross-rank rows outside the lock, which the lane's thread may be waiting for.
@@ -295,7 +300,7 @@ def register(app: faust.App, settings: Settings, *, outages: OutageClock) -> Non
             await sent(out)
             # After the alerts are in: a worker killed in between sends them again on replay (at
             # least once), never loses them.
-            keep(item.key, state, write=out is not None or isinstance(item, RankSignal))
+            keep(item.key, state, write=out is not None or signal)
             return {} if watch is None else {item.key: watch}  # written after its alerts are in, like run_state
         return {}  # dead-lettered
 

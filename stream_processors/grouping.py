@@ -85,9 +85,30 @@ class Grouper:
         return latest(self._add(state, signal, now))
 
     def add_all(self, state: RunGroups, signals: list[RankSignal], now: float) -> list[Alert]:
-        return latest([alert for signal in signals for alert in self._add(state, signal, now)])
+        """Apply transitions that arrived together (one message's), in order; return alerts due now.
+        A group that one of them completes is sent once all are in, so that its page carries the
+        conditions the others start: rank 2's NaN gradient, the last rank's, would otherwise page
+        every rank's gradient before rank 2's NaN loss joined and named it. A group is sent before a
+        later signal of its own is applied, and every waiting one before a run-wide signal (which
+        an inhibitor among them may hold back), so each group sees what ``add`` one by one sends."""
+        out: list[Alert] = []
+        complete: list[str] = []  # groups complete, waiting for the rest of the signals
+        for signal in signals:
+            a = signal.alert
+            if a.rank is None or Alert.make_key(a.run, a.detector, a.metric) in complete:
+                out += self._flush_complete(state, complete, now)
+            out += self._add(state, signal, now, complete)
+        return latest(out + self._flush_complete(state, complete, now))
 
-    def _add(self, state: RunGroups, signal: RankSignal, now: float) -> list[Alert]:
+    def _flush_complete(self, state: RunGroups, complete: list[str], now: float) -> list[Alert]:
+        out = []
+        for gkey in complete:
+            out += self._flush(state, gkey, state.groups[gkey], now)
+        complete.clear()
+        return out
+
+    def _add(self, state: RunGroups, signal: RankSignal, now: float, complete: list[str] | None = None) -> list[Alert]:
+        """``add``, but a group this completes goes on ``complete`` for the caller to send, if given."""
         a = signal.alert
         state.world_size = max(state.world_size, signal.world_size)
         gkey = Alert.make_key(a.run, a.detector, a.metric)
@@ -113,7 +134,9 @@ class Grouper:
             group.pending_step = min(group.pending_step, a.step)
             group.urgent = group.urgent or (signal.urgent and not group.emitted)  # its first page only
             if len(group.ranks) >= state.world_size or self._all_past(state, group.pending_step):
-                return self._flush(state, gkey, group, now)
+                if complete is None:
+                    return self._flush(state, gkey, group, now)
+                complete.append(gkey)
             return []
         if a.rank not in group.ranks:
             return []

@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rankwatch.contract import RUN_EVENTS, ProgressBatch, RankProgress, Series, TelemetryBatch, decode_run_event
+from rankwatch.contract import (
+    RUN_EVENTS, Alert, ProgressBatch, RankProgress, RankSignal, Series, SignalBatch, TelemetryBatch, decode_run_event,
+)
 from rankwatch.sim import QuietRanks
 from rankwatch.stream_processors.batching import process_batch, process_in_parts
 from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
@@ -162,6 +164,27 @@ def test_one_progress_event_per_run_per_batch_in_order():
     assert len(events) == 1 and isinstance(events[0], ProgressBatch)
     assert [(p.rank, p.last_step) for p in events[0].items] == [(r, s) for s in range(3) for r in range(4)]
     assert set(out.states) == {f"r/{r}" for r in range(4)}
+
+
+def test_a_messages_signals_go_to_stage_2_as_one_event_in_order():
+    nan = TelemetryBatch(run="r", rank=2, world_size=4, producer="p", seq=0, ts=1.0,
+                         series={m: Series(np.array([0]), np.array([math.nan])) for m in ("grad_norm", "loss")})
+    out = process_batch(TelemetryProcessor(), [nan], lambda key: None, 5.0)
+    events = [decode_run_event(v) for topic, _, v in out.messages if topic == RUN_EVENTS]
+    assert isinstance(events[0], SignalBatch) and isinstance(events[1], RankProgress)
+    assert [(s.alert.metric, s.alert.rank) for s in events[0].items] == [("grad_norm", 2), ("loss", 2)]
+
+
+def test_a_signal_batch_over_the_size_limit_is_split_in_order():
+    from rankwatch.stream_processors.batching import _signal_messages
+
+    alert = Alert(key="r/nonfinite/m/0", run="r", status="firing", severity="critical", detector="nonfinite",
+                  metric="m", rank=0, step=1, value=math.nan, message="x" * 2_000, ts=1.0, ranks=(0,))
+    signals = [RankSignal(alert=dataclasses.replace(alert, metric=f"m{i}"), world_size=1) for i in range(1_000)]
+    messages = _signal_messages("r", signals)
+    assert len(messages) > 1 and all(len(v) <= 1_000_000 for _, _, v in messages)
+    metrics = [s.alert.metric for _, _, v in messages for s in decode_run_event(v).items]
+    assert metrics == [f"m{i}" for i in range(1_000)]
 
 
 def test_a_batch_in_parts_gives_what_it_gives_whole():

@@ -28,6 +28,7 @@ from rankwatch.contract import (
     Rollup,
     SchemaError,
     Series,
+    SignalBatch,
     TelemetryBatch,
 )
 from rankwatch.contract.binary import MAGIC
@@ -62,6 +63,7 @@ SAMPLES = {
                            coverage={"expected": 6, "received": 6}, ts=6.0),
     Control: Control(run="r", action="set_eval_interval", eval_id=None, value=100.0, reason="x", ts=7.0),
     RankSignal: RankSignal(alert=_alert(), world_size=2),
+    SignalBatch: SignalBatch(run="r", items=(RankSignal(alert=_alert(), world_size=2),) * 2),
     RankProgress: RankProgress(run="r", rank=1, world_size=2, last_step=4, ts=8.0,
                                series={"loss": Series(np.arange(2), np.array([1.0, 2.0]))}, restarted=True),
 }

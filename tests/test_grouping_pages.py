@@ -315,6 +315,41 @@ def test_a_nan_whose_lane_records_arrive_together_is_one_page_naming_its_rank(or
                                                                                    else [((2,), True)])
 
 
+def test_a_page_that_one_signal_of_a_message_completes_carries_the_others():
+    # Stage 1's signals of one message reach stage 2 together (``SignalBatch``). The NaN in rank 2's
+    # batch makes its gradient (every rank's, all-reduced) and its loss NaN; when rank 2 is the last
+    # to report, its gradient completes the gradient's group. Applied one by one, that paged every
+    # rank's gradient, and only an update named rank 2 (in 1 of 2 NaN scenarios on fresh seeds).
+    grouper = Grouper(group_wait_s=10.0, group_interval_s=2.0)
+    rank2 = [_metric_signal(m, "nonfinite", rank=2, world=4) for m in ("grad_norm", "loss")]
+
+    def others_then(apply) -> list[Alert]:
+        state = RunGroups()
+        for rank in (0, 1, 3):
+            assert grouper.add(state, _metric_signal("grad_norm", "nonfinite", rank=rank, world=4), now=0.0) == []
+        return apply(state)
+
+    [page] = others_then(lambda state: grouper.add_all(state, rank2, now=0.1))
+    assert page.metrics == ("grad_norm", "loss") and page.ranks == (2,) and "every metric on rank 2" in page.message
+    one_by_one = others_then(lambda state: [a for s in rank2 for a in grouper.add(state, s, now=0.1)])
+    assert [(a.metrics, a.ranks) for a in one_by_one] == [((), (0, 1, 2, 3))]
+
+
+def test_signals_applied_together_keep_each_groups_order_and_the_inhibitor():
+    grouper = Grouper(group_wait_s=0.0, group_interval_s=0.0)
+    # The last rank's condition fires and ends within one message: the page it completed names it.
+    state = RunGroups()
+    assert grouper.add(state, _metric_signal("loss", "nonfinite", rank=0, world=2), now=0.0) == []
+    burst = [_metric_signal("loss", "nonfinite", rank=1, world=2),
+             _metric_signal("loss", "nonfinite", "resolved", rank=1, step=126, world=2)]
+    assert [(a.status, a.ranks) for a in grouper.add_all(state, burst, now=0.0)] == [("firing", (0, 1))]
+    # A NaN page completed in a message holds back the run-wide warning that follows it there.
+    state = RunGroups()
+    out = grouper.add_all(state, [_metric_signal("loss", "nonfinite"),
+                                  _run_wide("spike", "eval_loss", incident=121, severity="warning")], now=0.0)
+    assert [a.detector for a in out] == ["nonfinite"] and state.pages
+
+
 def test_latest_keeps_a_decisions_last_version_of_each_page():
     from rankwatch.stream_processors.grouping import latest
 

@@ -18,7 +18,8 @@ from rankwatch.stream_processors.processor import RankState, TelemetryProcessor
 def _progress(messages) -> list[RankProgress]:
     """The rank progress among stage 1's ``messages``, in order."""
     events = [decode_run_event(value) for topic, _, value in messages if topic == RUN_EVENTS]
-    return [p for e in events if not hasattr(e, "alert") for p in (e.items if isinstance(e, ProgressBatch) else [e])]
+    return [p for e in events if isinstance(e, (RankProgress, ProgressBatch))
+            for p in (e.items if isinstance(e, ProgressBatch) else [e])]
 
 
 def _restarted(batches: list[TelemetryBatch], at: int) -> list[TelemetryBatch]:

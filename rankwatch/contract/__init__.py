@@ -38,7 +38,7 @@ from rankwatch.contract.evaluation import (
     eval_key,
 )
 from rankwatch.contract.internal import (
-    Finding, ProgressBatch, RankProgress, RankSignal, RunUpdate, decode_run_event,
+    Finding, ProgressBatch, RankProgress, RankSignal, RunUpdate, SignalBatch, decode_run_event,
 )
 from rankwatch.contract.telemetry import (
     COLLECTIVE_WAIT,
@@ -69,7 +69,8 @@ __all__ = [
     "TOPICS", "TELEMETRY", "EVAL_SHARDS", "ALERTS", "REPORTS", "CONTROL", "DEADLETTER", "URGENT",
     "STATUSES", "SEVERITIES", "CONTROL_ACTIONS", "SchemaError",
     "Series", "TelemetryBatch", "UrgentTelemetry", "Rollup", "Alert", "DeadLetter", "EvalShard", "EvalReport", "Control",
-    "RankSignal", "RankProgress", "ProgressBatch", "RunUpdate", "Finding", "decode_run_event", "RUN_EVENTS", "INTERNAL_TOPICS",
+    "RankSignal", "SignalBatch", "RankProgress", "ProgressBatch", "RunUpdate", "Finding", "decode_run_event",
+    "RUN_EVENTS", "INTERNAL_TOPICS",
     "HEARTBEAT", "COLLECTIVE_WAIT", "CPU_WAIT", "telemetry_key", "eval_key", "encode_float", "decode_float",
     "decode_any",
 ]

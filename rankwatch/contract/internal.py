@@ -39,15 +39,56 @@ class RankSignal:
         return self.alert.run.encode()
 
     def to_bytes(self) -> bytes:
+        return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, **self.to_dict()})
+
+    def to_dict(self) -> dict:
         extra = {"urgent": True} if self.urgent else {}
-        return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, "world_size": self.world_size,
-                      "alert": self.alert.to_dict(), **extra})
+        return {"world_size": self.world_size, "alert": self.alert.to_dict(), **extra}
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RankSignal:
-        obj = loads(data, cls.KIND)
+        return cls.from_dict(loads(data, cls.KIND))
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> RankSignal:
         return cls(alert=Alert.from_dict(field_of(obj, "alert", dict)), world_size=field_of(obj, "world_size", int),
                    urgent=field_of(obj, "urgent", bool) if "urgent" in obj else False)
+
+
+@dataclass(frozen=True)
+class SignalBatch:
+    """The ``RankSignal``s one telemetry message raised, in order. Stage 2 applies them together, so
+    that a page one of them completes goes out with the conditions the others start: a NaN in one
+    rank's batch makes its gradient (all-reduced: every rank's) and its loss NaN in one message, and
+    that is one page naming the rank, not a page on every rank's gradient and then an update."""
+
+    run: str
+    items: tuple[RankSignal, ...]
+
+    KIND = "signal_batch"
+    TOPIC = RUN_EVENTS
+
+    @property
+    def key(self) -> bytes:
+        return self.run.encode()
+
+    def to_bytes(self) -> bytes:
+        return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, "run": self.run,
+                      "items": [s.to_dict() for s in self.items]})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SignalBatch:
+        obj = loads(data, cls.KIND)
+        run = field_of(obj, "run", str)
+        items = []
+        for raw in field_of(obj, "items", list):
+            if not isinstance(raw, dict):
+                raise SchemaError("signal_batch items must be objects")
+            item = RankSignal.from_dict(raw)
+            if item.alert.run != run:
+                raise SchemaError(f"signal_batch of run {run!r} holds an alert of run {item.alert.run!r}")
+            items.append(item)
+        return cls(run=run, items=tuple(items))
 
 
 @dataclass(frozen=True)
@@ -137,10 +178,10 @@ class ProgressBatch:
         return cls(run=run, items=tuple(items))
 
 
-_RUN_EVENTS = {RankProgress.KIND: RankProgress, ProgressBatch.KIND: ProgressBatch}
+_RUN_EVENTS = {RankProgress.KIND: RankProgress, ProgressBatch.KIND: ProgressBatch, SignalBatch.KIND: SignalBatch}
 
 
-def decode_run_event(data: bytes) -> RankSignal | RankProgress | ProgressBatch:
+def decode_run_event(data: bytes) -> RankSignal | SignalBatch | RankProgress | ProgressBatch:
     """Any event of ``RUN_EVENTS``, by its kind."""
     kind = decode_any(data).get("kind")
     return _RUN_EVENTS.get(kind, RankSignal).from_bytes(data)
