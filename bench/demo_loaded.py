@@ -42,19 +42,25 @@ RANKWATCH = [sys.executable, "-m", "rankwatch"]
 NAN_RANK, NAN_STEP = 2, 120  # the demo's defaults
 
 
-def false_alerts(bootstrap: str, run: str) -> tuple[bool, list[str]]:
-    """Whether the worker paged the injected NaN, and every other firing alert it sent for ``run``
-    (one per key and incident): none of them had a cause."""
+def _ranks(a: Alert) -> str:
+    return ",".join(map(str, a.ranks)) if a.ranks else str(a.rank)
+
+
+def false_alerts(bootstrap: str, run: str) -> tuple[str, list[str]]:
+    """The ranks the injected NaN's page named when it first went out, and the number of versions
+    sent ("" if it was never paged); and every other firing alert the worker sent for ``run`` (one
+    per key and incident): none of them had a cause."""
     alerts = [Alert.from_bytes(r.value) for r in read_topic(bootstrap, contract.ALERTS)]
     alerts = [a for a in alerts if a.run == run and a.status == "firing"]
     page = next(((a.key, a.incident) for a in alerts if _is_expected(a, NAN_RANK, NAN_STEP)), None)
+    versions = [a for a in alerts if (a.key, a.incident) == page]
+    paged = f"ranks {_ranks(versions[0])} ({len(versions)} sent)" if versions else ""
     false = {}
     for a in alerts:
         if (a.key, a.incident) == page or (a.detector.startswith("eval_") and a.step >= NAN_STEP):
             continue
-        ranks = ",".join(map(str, a.ranks)) if a.ranks else str(a.rank)
-        false.setdefault((a.key, a.incident), f"{a.detector}/{a.metric} ranks {ranks} step {a.step}")
-    return page is not None, list(false.values())
+        false.setdefault((a.key, a.incident), f"{a.detector}/{a.metric} ranks {_ranks(a)} step {a.step}")
+    return paged, list(false.values())
 
 
 def _before_cpu_wait(series: dict) -> list[float]:
@@ -110,7 +116,7 @@ def main() -> None:
     up = subprocess.Popen([*RANKWATCH, "up", "--port", str(port), "--no-serve"], stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL, start_new_session=True)
     print(f"rankwatch up on {bootstrap}; {args.runs} demo runs; recordings in {where}", flush=True)
-    print("| run | busy | load | exit | NaN paged | false alerts (live) | CPU wait / step time "
+    print("| run | busy | load | exit | NaN's page first named | false alerts (live) | CPU wait / step time "
           "| straggler alerts replayed, old compute | now |")
     print("|---|---|---|---|---|---|---|---|---|")
     counts = {"before": 0, "now": 0, "false": 0, "paged": 0}
@@ -133,8 +139,8 @@ def main() -> None:
             found = stragglers(recording, rules)
             paged, false = false_alerts(bootstrap, run)
             counts = {"before": counts["before"] + bool(found["before"]), "now": counts["now"] + bool(found["now"]),
-                      "false": counts["false"] + bool(false), "paged": counts["paged"] + paged}
-            print(f"| {i} | {n} | {load:.1f} | {demo.returncode} | {'yes' if paged else 'NO'} | "
+                      "false": counts["false"] + bool(false), "paged": counts["paged"] + bool(paged)}
+            print(f"| {i} | {n} | {load:.1f} | {demo.returncode} | {paged or 'NOT PAGED'} | "
                   f"{'; '.join(false) or '-'} | {cpu_wait_share(recording):.0%} | "
                   f"{', '.join(found['before']) or '-'} | {', '.join(found['now']) or '-'} |", flush=True)
     finally:
