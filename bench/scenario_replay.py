@@ -80,8 +80,8 @@ class Pipeline:
                 self._emit(self.grouper.tick(self.groups, t), t)
             else:
                 t, self._next_watch_tick = self._next_watch_tick, self._next_watch_tick + WATCH_TICK_S
-                for alert in self.watcher.tick(self.watch, t):
-                    self._signal(RankSignal(alert=alert, world_size=self.watch.world_size), t)
+                self._signals([RankSignal(alert=alert, world_size=self.watch.world_size)
+                               for alert in self.watcher.tick(self.watch, t)], t)
 
     def _signal(self, signal: RankSignal, now: float) -> None:
         signal = RankSignal.from_bytes(signal.to_bytes())
@@ -96,8 +96,9 @@ class Pipeline:
 
     def _progress(self, progress: RankProgress, now: float) -> None:
         self._emit(self.grouper.progress(self.groups, progress.rank, progress.last_step, progress.world_size, now), now)
-        for alert in self.watcher.observe(self.watch, progress, now):
-            self._signal(RankSignal(alert=alert, world_size=progress.world_size), now)
+        # Applied together, as the worker's ``_progress`` and run-watch timer do.
+        self._signals([RankSignal(alert=alert, world_size=progress.world_size)
+                       for alert in self.watcher.observe(self.watch, progress, now)], now)
 
     def _emit(self, alerts: list[Alert], now: float) -> None:
         for alert in alerts:
