@@ -56,16 +56,12 @@ class RankSignal:
 
 
 @dataclass(frozen=True)
-class SignalBatch:
-    """The ``RankSignal``s one telemetry message raised, in order. Stage 2 applies them together, so
-    that a page one of them completes goes out with the conditions the others start: a NaN in one
-    rank's batch makes its gradient (all-reduced: every rank's) and its loss NaN in one message, and
-    that is one page naming the rank, not a page on every rank's gradient and then an update."""
+class _RunBatch:
+    """Several events of one run in one message, in order (``items``, each of run ``run``)."""
 
     run: str
-    items: tuple[RankSignal, ...]
+    items: tuple
 
-    KIND = "signal_batch"
     TOPIC = RUN_EVENTS
 
     @property
@@ -74,21 +70,38 @@ class SignalBatch:
 
     def to_bytes(self) -> bytes:
         return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, "run": self.run,
-                      "items": [s.to_dict() for s in self.items]})
+                      "items": [i.to_dict() for i in self.items]})
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> SignalBatch:
+    def from_bytes(cls, data: bytes) -> _RunBatch:
         obj = loads(data, cls.KIND)
         run = field_of(obj, "run", str)
         items = []
         for raw in field_of(obj, "items", list):
             if not isinstance(raw, dict):
-                raise SchemaError("signal_batch items must be objects")
-            item = RankSignal.from_dict(raw)
-            if item.alert.run != run:
-                raise SchemaError(f"signal_batch of run {run!r} holds an alert of run {item.alert.run!r}")
+                raise SchemaError(f"{cls.KIND} items must be objects")
+            item = cls.ITEM.from_dict(raw)
+            if cls.run_of(item) != run:
+                raise SchemaError(f"{cls.KIND} of run {run!r} holds an item of run {cls.run_of(item)!r}")
             items.append(item)
         return cls(run=run, items=tuple(items))
+
+
+@dataclass(frozen=True)
+class SignalBatch(_RunBatch):
+    """The ``RankSignal``s one telemetry message raised, in order. Stage 2 applies them together, so
+    that a page one of them completes goes out with the conditions the others start: a NaN in one
+    rank's batch makes its gradient (all-reduced: every rank's) and its loss NaN in one message, and
+    that is one page naming the rank, not a page on every rank's gradient and then an update."""
+
+    items: tuple[RankSignal, ...]
+
+    KIND = "signal_batch"
+    ITEM = RankSignal
+
+    @staticmethod
+    def run_of(item: RankSignal) -> str:
+        return item.alert.run
 
 
 @dataclass(frozen=True)
@@ -145,37 +158,18 @@ class RankProgress:
 
 
 @dataclass(frozen=True)
-class ProgressBatch:
+class ProgressBatch(_RunBatch):
     """Several ``RankProgress`` of one run, in the order stage 1 applied them: a worker that takes
     telemetry in batches sends one of these per run per batch instead of one event per message."""
 
-    run: str
     items: tuple[RankProgress, ...]
 
     KIND = "progress_batch"
-    TOPIC = RUN_EVENTS
+    ITEM = RankProgress
 
-    @property
-    def key(self) -> bytes:
-        return self.run.encode()
-
-    def to_bytes(self) -> bytes:
-        return dumps({"schema": SCHEMA_VERSION, "kind": self.KIND, "run": self.run,
-                      "items": [p.to_dict() for p in self.items]})
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> ProgressBatch:
-        obj = loads(data, cls.KIND)
-        run = field_of(obj, "run", str)
-        items = []
-        for raw in field_of(obj, "items", list):
-            if not isinstance(raw, dict):
-                raise SchemaError("progress_batch items must be objects")
-            item = RankProgress.from_dict(raw)
-            if item.run != run:
-                raise SchemaError(f"progress_batch of run {run!r} holds an item of run {item.run!r}")
-            items.append(item)
-        return cls(run=run, items=tuple(items))
+    @staticmethod
+    def run_of(item: RankProgress) -> str:
+        return item.run
 
 
 _RUN_EVENTS = {RankProgress.KIND: RankProgress, ProgressBatch.KIND: ProgressBatch, SignalBatch.KIND: SignalBatch}
