@@ -32,7 +32,7 @@ from pathlib import Path
 from rankwatch import contract
 from rankwatch.broker import free_port
 from rankwatch.contract import Alert, TelemetryBatch
-from rankwatch.demo.run import _is_expected
+from rankwatch.demo.run import is_nan_page
 from rankwatch.sinks import read_topic
 from rankwatch.stream_processors.rules import Rules
 from scenario_replay import replay
@@ -52,7 +52,7 @@ def false_alerts(bootstrap: str, run: str) -> tuple[str, list[str]]:
     per key and incident): none of them had a cause."""
     alerts = [Alert.from_bytes(r.value) for r in read_topic(bootstrap, contract.ALERTS)]
     alerts = [a for a in alerts if a.run == run and a.status == "firing"]
-    page = next(((a.key, a.incident) for a in alerts if _is_expected(a, NAN_RANK, NAN_STEP)), None)
+    page = next(((a.key, a.incident) for a in alerts if is_nan_page(a, NAN_RANK, NAN_STEP)), None)
     versions = [a for a in alerts if (a.key, a.incident) == page]
     paged = f"ranks {_ranks(versions[0])} ({len(versions)} sent)" if versions else ""
     false = {}

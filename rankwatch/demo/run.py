@@ -3,7 +3,7 @@
 Broker (embedded unless a bootstrap is given) -> a Faust worker -> 4 training ranks as separate
 processes -> a NaN injected on one rank -> alerts printed as they arrive -> a summary. Exit 0 when
 the expected page arrived: firing on the injected rank at the injected step (or the next: see
-``_is_expected``), with ``loss`` its
+``is_nan_page``), with ``loss`` its
 ``metric`` or among its ``metrics`` (one incident is one page since issue 18). With ``nan_step < 0``
 nothing is injected, and the demo exits 0 when every rank finished and the final evaluation was reported.
 
@@ -39,7 +39,7 @@ def _describe(report: EvalReport) -> str:
             f" on {report.n_samples} samples from {ranks}")
 
 
-def _is_expected(alert: Alert, nan_rank: int, nan_step: int) -> bool:
+def is_nan_page(alert: Alert, nan_rank: int, nan_step: int) -> bool:
     """The page that covers the injected NaN: firing, on the injected rank, with ``loss`` among its
     metrics, starting at the injected step or the next. Since issue 18 a NaN reaching loss, grad norm
     and weights is one page, keyed under its first, most severe condition (``metric`` may be
@@ -103,7 +103,7 @@ def run_demo(settings: Settings, *, embedded: bool, ranks: int = 4, steps: int =
                 seen.append(alert)
                 sink.add(alert)
                 sink.flush()
-                if not expected.is_set() and _is_expected(alert, nan_rank, nan_step):
+                if not expected.is_set() and is_nan_page(alert, nan_rank, nan_step):
                     matched.append(alert)
                     print(f"  ^ the injected NaN: {_page(alert)}", flush=True)
                     expected.set()
