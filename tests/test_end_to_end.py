@@ -163,6 +163,20 @@ def test_a_nan_on_the_urgent_lane_pages_alone_and_stage_one_only_replays_it(boot
     assert [(a["status"], a["incident"]) for a in alerts] == [("firing", 30), ("resolved", 30)]
 
 
+def test_nan_in_two_metrics_of_one_message_is_one_page_from_its_first_send(bootstrap, run_id):
+    # A client without the NaN lane (the documented format, straight to the topic) sends one message
+    # in which grad norm and loss turn NaN at step 30. Stage 1's two signals travel as one event
+    # (``signal_batch``) and stage 2 applies them together: the first alert lists both metrics, where
+    # applied one by one the grad norm was paged alone and the loss joined in an update.
+    steps, values = np.arange(10, 31), np.array([1.0] * 20 + [float("nan")])
+    batch = TelemetryBatch(run=run_id, rank=0, world_size=1, producer="p", seq=0, ts=time.time(),
+                           series={m: Series(steps, values) for m in ("grad_norm", "loss")})
+    _send(bootstrap, (batch.key, batch.to_bytes()))
+    [page] = consume_json(bootstrap, contract.ALERTS, lambda a: a["run"] == run_id)
+    assert (page["status"], page["detector"], page["ranks"], page["step"]) == ("firing", "nonfinite", [0], 30)
+    assert page["metrics"] == ["grad_norm", "loss"]
+
+
 def test_the_publisher_sends_a_metrics_first_nan_on_the_lane_once_per_change(bootstrap, run_id):
     publisher = RankPublisher(run=run_id, rank=0, world_size=1, bootstrap=bootstrap, samplers=[])
     for step, loss in enumerate([1.0, 1.0, float("nan"), float("nan"), 1.0, float("inf"), float("nan")]):
