@@ -164,11 +164,10 @@ def trial(args, workers: int) -> dict:
             "decode_cpu": d_cpu, "worker_wall": w_wall, "worker_cpu": w_cpu}
 
 
-def profile_stage1(args) -> None:
-    """Stage 1's per-batch work in-process under cProfile (no broker, no Faust)."""
-    import cProfile
-    import pstats
-
+def stage1_work(args):
+    """Stage 1's per-batch work on the simulated messages, in this process (no broker, no Faust):
+    ``(work, values)``, where ``work()`` runs it once, from fresh state, and returns each tick's CPU
+    seconds."""
     from faust.serializers import codecs
 
     from rankwatch.stream_processors.batching import process_batch
@@ -183,11 +182,9 @@ def profile_stage1(args) -> None:
     codec = codecs.get_codec(STATE_CODEC)
     state_every = round(Settings().state_write_s)  # ticks between state writes, a tick being a second
 
-    ticks: list[float] = []  # CPU seconds of each tick, the last run's
-
-    def work() -> None:
+    def work() -> list[float]:
         table: dict[str, object] = {}
-        ticks.clear()
+        ticks = []
         for tick, lo in enumerate(range(0, len(raw), args.ranks)):  # one take: every rank's message of a tick
             started = time.process_time()
             batches = [TelemetryBatch.from_bytes(data) for data in raw[lo : lo + args.ranks]]
@@ -197,10 +194,19 @@ def profile_stage1(args) -> None:
                 for state in out.states.values():
                     codec.dumps(state)
             ticks.append(time.process_time() - started)
+        return ticks
 
-    values = len(raw) * args.steps * args.metrics
+    return work, len(raw) * args.steps * args.metrics
+
+
+def profile_stage1(args) -> None:
+    """Stage 1's per-batch work in-process under cProfile (no broker, no Faust)."""
+    import cProfile
+    import pstats
+
+    work, values = stage1_work(args)
     cpu = time.process_time()
-    work()
+    ticks = work()
     cpu = time.process_time() - cpu
     print(f"{values:,} values in {cpu:.2f} CPU s: {values / cpu / 1e6:.3f} M values per CPU-second (no profiler)")
     # The detectors warm up over their first 40 points: the second half of a long run is the steady state.
