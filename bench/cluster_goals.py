@@ -3,8 +3,10 @@
 1. throughput: ``throughput.trial`` on the issue's preloaded topic, JSON and binary (worker against a
    plain read + decode of the same messages, in the same run);
 2. latency at scale: ``scale_latency.measure``, NaN-to-alert through a real publisher beside N quiet
-   ranks at 1 Hz (without the Prometheus baseline: ``bench/scale_latency.py`` runs that);
-3. lag and memory: ``soak.soak``, N quiet ranks at 1 Hz for some minutes;
+   ranks at 1 Hz, then (unless ``--no-prometheus``, and where Debian's ``prometheus`` and
+   ``prometheus-alertmanager`` are installed) the same ranks through Prometheus + Alertmanager;
+3. lag and memory: ``soak.soak``, N quiet ranks at 1 Hz for some minutes (RSS counts as flat when
+   it grows less than 10% after the warm-up, issue 19's bound for its soak);
 4. scale-out: ``throughput.trial`` with 1, 2 and 4 workers of one app (the kill of one of two is
    ``tests/test_kafka_faults.py``);
 5. lag is never an alert: the alerts on quiet ranks in 2 and 3 (in 3 the worker falls behind when it
@@ -13,8 +15,9 @@
 Each bench starts its own broker and workers and stops them; they share the machine's cores with
 the simulated ranks, so run it on an otherwise idle machine. For a goal not met it prints where
 stage 1's CPU goes (cProfile of ``throughput.stage1_work`` on that goal's messages) and how much of
-the worker's CPU per message that work is, the rest being Faust, stage 2 and the sends. About 35
-minutes at the issue's sizes; ``--quick`` (smaller sizes, about 6 minutes) checks the bench itself.
+the worker's CPU per message that work is, the rest being Faust, stage 2 and the sends. About 27
+minutes at the issue's sizes, 5 more with Prometheus; ``--quick`` (smaller sizes, about 6 minutes)
+checks the bench itself.
 Asserts nothing.
 
     python bench/cluster_goals.py
@@ -39,6 +42,7 @@ from rankwatch.stack import Stack
 import scale_latency
 import soak
 import throughput
+from prometheus_baseline import binaries, exit_on_sigterm, measure_prometheus
 from scratch import scratch_dir
 
 # (what, value at the issue's sizes, value with --quick)
@@ -104,7 +108,20 @@ def goal2(args) -> dict:
     measured = (f"{r['ranks']} quiet ranks: p50 {r['p50']:.0f} ms, p99 {r['p99']:.0f} ms, missed {r['missed']} of "
                 f"{r['trials']}, {r['false']} alerts on quiet ranks{kinds}")
     met = r["missed"] == 0 and r["p99"] <= 250 and r["false"] == 0 and r["trials"] >= 30
+    if not args.no_prometheus:
+        measured += _prometheus(r)
     return {"met": met, "measured": measured, "false": r["false"]}
+
+
+def _prometheus(r: dict) -> str:
+    """Goal 2's baseline on the same ranks, after the rankwatch stack has stopped (so that neither
+    shares the cores with the other), as a clause of the measured text."""
+    if binaries() is None:
+        return "; Prometheus + Alertmanager not installed (apt-get install prometheus prometheus-alertmanager)"
+    exit_on_sigterm()  # a SIGTERM unwinds, so Prometheus and its exporters are stopped with the bench
+    b = measure_prometheus(r["ranks"], 32, r["trials"], 8)
+    return (f"; Prometheus + Alertmanager on the same ranks: p50 {b['p50']:.0f} ms, p99 {b['p99']:.0f} ms "
+            f"({b['p99'] / r['p99']:.1f} times rankwatch's), missed {b['missed']} of {b['trials']}")
 
 
 def goal3(args) -> dict:
@@ -115,7 +132,7 @@ def goal3(args) -> dict:
     growth = 100 * (out["rss_last"] - out["rss_first"]) / out["rss_first"]
     measured = (f"{spec.ranks} ranks, {spec.minutes:g} min on {spec.broker}: max lag {out['lag_max']:.1f} s, RSS "
                 f"{growth:+.1f}% after {spec.warmup_min:g} min, {out['finals']} of {spec.ranks} ranks' last "
-                f"messages applied within {spec.drain_s:g} s of the last tick")
+                f"messages applied within {spec.drain_s:g} s after the ranks stopped")
     met = out["lag_max"] < 2.0 and growth < 10.0 and out["finals"] == spec.ranks
     profile = Namespace(ranks=128, messages=200, steps=1, metrics=32, format="binary",
                         shape="training")
@@ -184,6 +201,7 @@ def main() -> None:
                     help="goals to measure (5 reads the alerts of 2 and 3)")
     ap.add_argument("--quick", action="store_true", help="small sizes: checks the bench, not the goals")
     ap.add_argument("--broker", choices=["tansu", "kafka"], default="tansu", help="goal 3's broker")
+    ap.add_argument("--no-prometheus", action="store_true", help="goal 2 without the Prometheus baseline")
     args = ap.parse_args()
     goals = {1: goal1, 2: goal2, 3: goal3, 4: goal4}
     found = {}
