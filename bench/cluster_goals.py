@@ -14,11 +14,10 @@
 
 Each bench starts its own broker and workers and stops them; they share the machine's cores with
 the simulated ranks, so run it on an otherwise idle machine. For a goal not met it prints where
-stage 1's CPU goes (cProfile of ``throughput.stage1_work`` on that goal's messages) and how much of
-the worker's CPU per message that work is, the rest being Faust, stage 2 and the sends. About 27
-minutes at the issue's sizes, 5 more with Prometheus; ``--quick`` (smaller sizes, about 6 minutes)
-checks the bench itself.
-Asserts nothing.
+stage 1's CPU goes (cProfile of ``throughput.stage1_work`` on that goal's messages) and, for goal 1,
+whose run measures the worker's CPU, how much of it per message that work is, the rest being Faust,
+stage 2 and the sends. About 27 minutes at the issue's sizes, 5 more with Prometheus; ``--quick``
+(smaller sizes, about 6 minutes) checks the bench itself. Asserts nothing.
 
     python bench/cluster_goals.py
     python bench/cluster_goals.py --quick --only 1 2
